@@ -1,0 +1,30 @@
+# Every target works on a fresh clone: it creates .venv if missing, installs, then runs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	$(PY) -m pip install -q -e '.[dev,plot]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+demo: $(STAMP)
+	$(PY) -m megatron_domino.demo
+
+lint: $(STAMP)
+	$(PY) -m ruff check megatron_domino tests pretrain_gpt_domino.py examples
+	$(PY) -m ruff format --check megatron_domino tests pretrain_gpt_domino.py examples
+
+clean:
+	rm -rf $(VENV) data_cache runs bench_results
