@@ -1,0 +1,133 @@
+"""Flag parsing and validation of pretrain_gpt_domino.py: pure Python, no process group."""
+
+import importlib.util
+
+import pytest
+
+from megatron_domino.training.arguments import (
+    ArgumentsError,
+    Layout,
+    build_parser,
+    ffn_hidden_size,
+    lr_decay_iters,
+    max_position_embeddings,
+    num_query_groups,
+    padded_vocab_size,
+    parse_args,
+    validate_args,
+)
+
+BASE = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+    "--micro-batch-size 2 --lr 1e-3 --train-iters 10 "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 100"
+).split()
+
+
+def parsed(*extra: str, world_size: int = 2):
+    args = build_parser().parse_args([*BASE, *extra])
+    validate_args(args, world_size=world_size)
+    return args
+
+
+def invalid(*extra: str, world_size: int = 2) -> str:
+    with pytest.raises(ArgumentsError) as err:
+        parsed(*extra, world_size=world_size)
+    return str(err.value)
+
+
+def test_megatron_defaults_are_derived_without_touching_the_namespace():
+    args = parsed("--swiglu")
+    assert args.ffn_hidden_size is None and args.max_position_embeddings is None
+    assert ffn_hidden_size(args) == 128  # int(4 * 64 * 2/3 / 64) * 64
+    assert ffn_hidden_size(parsed()) == 256
+    assert max_position_embeddings(args) == 32
+    assert lr_decay_iters(args) == 10
+    assert num_query_groups(args) == 4  # multi-head attention without --group-query-attention
+    assert num_query_groups(parsed("--group-query-attention", "--num-query-groups", "2")) == 2
+    assert args.transformer_impl == "local" and args.seed == 1234 and args.clip_grad == 1.0
+
+
+def test_layout_gives_data_parallel_size_and_gradient_accumulation():
+    args = parsed("--tensor-model-parallel-size", "2", "--global-batch-size", "8", world_size=4)
+    layout = Layout.from_args(args, world_size=4)
+    assert (layout.data_parallel_size, layout.num_microbatches) == (2, 2)
+    assert Layout.from_args(parsed(), world_size=2).global_batch_size == 4  # micro x dp
+
+
+def test_vocab_is_padded_to_a_multiple_of_divisor_times_tp():
+    args = parsed("--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "8")
+    assert padded_vocab_size(101, args) == 112
+    assert padded_vocab_size(96, args) == 96
+
+
+@pytest.mark.parametrize(
+    ("extra", "world_size", "expected"),
+    [
+        (["--global-batch-size", "6"], 2, "--global-batch-size 6 is not divisible"),
+        (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
+        (["--tensor-model-parallel-size", "8"], 8, "--num-attention-heads 4 is not divisible"),
+        (
+            ["--tensor-model-parallel-size", "2", "--group-query-attention"],
+            2,
+            "--num-query-groups 1 is not divisible by --tensor-model-parallel-size 2",
+        ),
+        (["--group-query-attention", "--num-query-groups", "3"], 2, "not divisible by --num-q"),
+        (["--hidden-size", "66"], 2, "--hidden-size 66 is not divisible"),
+        (["--max-position-embeddings", "16"], 2, "--max-position-embeddings 16 is smaller"),
+        (["--lr-warmup-iters", "10"], 2, "--lr-warmup-iters 10 must be smaller"),
+        (["--save-interval", "5"], 2, "--save-interval needs --save"),
+        (["--micro-batch-size", "0"], 2, "--micro-batch-size must be >= 1"),
+        (["--hidden-dropout", "1.5"], 2, "--hidden-dropout must be in [0, 1)"),
+        (["--domino"], 2, "--tensor-model-parallel-size 1 has none"),
+        (
+            ["--domino", "--domino-chunks", "4", "--tensor-model-parallel-size", "2"],
+            2,
+            "--micro-batch-size 2 is not divisible by --domino-chunks 4",
+        ),
+    ],
+)
+def test_invalid_combinations_name_the_problem(extra, world_size, expected):
+    assert expected in invalid(*extra, world_size=world_size)
+
+
+def test_data_source_and_tokenizer_are_checked(tmp_path):
+    prefix = tmp_path / "corpus_text_document"
+    assert "exactly one data source" in invalid("--data-path", str(prefix))
+    base = [a for a in BASE if a != "--mock-data"]
+    with pytest.raises(ArgumentsError, match=r"corpus_text_document\.bin, .*\.idx not found"):
+        validate_args(build_parser().parse_args([*base, "--data-path", str(prefix)]), world_size=1)
+    prefix.with_suffix(".bin").write_bytes(b"")
+    prefix.with_suffix(".idx").write_bytes(b"")
+    data = [*base, "--data-path", str(prefix)]
+    validate_args(build_parser().parse_args(data), world_size=1)
+    with pytest.raises(ArgumentsError, match="gives it no share"):
+        args = build_parser().parse_args([*data, "--split", "100,0,0", "--eval-interval", "5"])
+        validate_args(args, world_size=1)
+    sp = "--tokenizer-type SentencePieceTokenizer".split()
+    assert "needs --tokenizer-model" in invalid(*sp, "--tokenizer-model", str(tmp_path / "x.model"))
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformer_engine") is not None, reason="TE is installed"
+)
+def test_transformer_engine_without_te_says_how_to_fix():
+    message = invalid("--transformer-impl", "transformer_engine")
+    assert "not installed" in message and "--transformer-impl local" in message
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="installed")
+def test_tensorboard_dir_without_tensorboard_is_an_error(tmp_path):
+    assert "pip install tensorboard" in invalid("--tensorboard-dir", str(tmp_path / "tb"))
+
+
+def test_parse_args_exits_with_the_reason_and_usage(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([*BASE, "--global-batch-size", "3"], world_size=2)
+    assert exit_info.value.code == 2
+    assert "--global-batch-size 3 is not divisible" in capsys.readouterr().err
+
+
+def test_every_flag_has_help():
+    for action in build_parser()._actions:
+        assert action.help, f"{action.option_strings} has no help"
