@@ -7,21 +7,32 @@ parallel size, gradient-accumulation steps, ...) are computed by :class:`Layout`
 functions below instead of being written back into the namespace, so a printed namespace is
 always exactly what the user asked for.
 
-Only the subset of Megatron-LM's flags that this trainer implements is accepted; an unknown
-Megatron flag is an argparse error rather than being silently ignored.
+Model flags map 1:1 onto :class:`~megatron_domino.gpt_model.GPTOptions` (built by
+:func:`model_options`), which resolves Megatron-LM's derived defaults (FFN width, query
+groups, position-table size) and checks the model's shapes. Only the subset of Megatron-LM's
+flags that this trainer implements is accepted; an unknown Megatron flag is an argparse error
+rather than being silently ignored.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import os
 from dataclasses import dataclass
 
+import torch
+from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
 from megatron.core.datasets.utils import get_blend_from_list
+from megatron.core.tokenizers import MegatronTokenizerBase
 
 from megatron_domino.config import DominoConfig, DominoConfigError, add_domino_args
+from megatron_domino.data.datasets import TOKENIZER_TYPES, DataConfigError, build_tokenizer
+from megatron_domino.data.files import PREPARE_COMMAND, DataFileError, require_readable_file
+from megatron_domino.gpt_model import GPTOptions, GPTOptionsError
+
+#: Where --mock-data keeps its sample indices when --data-cache-path is not given.
+MOCK_DATA_CACHE = os.path.join("data_cache", "mock")
 
 
 class ArgumentsError(ValueError):
@@ -130,11 +141,9 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         help="Standard deviation of the normal weight initialisation. Default: 0.02.",
     )
     group.add_argument(
-        "--make-vocab-size-divisible-by",
-        type=int,
-        default=128,
-        help="Pad the vocabulary to a multiple of this times the tensor-parallel size, so the "
-        "output layer splits evenly. Default: 128.",
+        "--untie-embeddings-and-output-weights",
+        action="store_true",
+        help="Give the output layer its own weights instead of reusing the word embedding.",
     )
     group.add_argument(
         "--transformer-impl",
@@ -255,10 +264,10 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--tokenizer-type",
-        choices=("SentencePieceTokenizer", "NullTokenizer"),
-        default=None,
+        choices=TOKENIZER_TYPES,
+        required=True,
         help="SentencePieceTokenizer (needs --tokenizer-model) or NullTokenizer (needs "
-        "--vocab-size; token ids are used as they are). Required.",
+        "--vocab-size; token ids are used as they are).",
     )
     group.add_argument("--tokenizer-model", default=None, help="SentencePiece model file (.model).")
     group.add_argument(
@@ -266,6 +275,17 @@ def _add_data_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="Vocabulary size for NullTokenizer (one more id is added for end-of-document).",
+    )
+    group.add_argument(
+        "--data-cache-path",
+        default=None,
+        help="Directory for the datasets' sample-index cache. Default: cache/ beside the first "
+        f"--data-path prefix, or {MOCK_DATA_CACHE} with --mock-data.",
+    )
+    group.add_argument(
+        "--eod-mask-loss",
+        action="store_true",
+        help="No loss on the token that follows an end-of-document token.",
     )
 
 
@@ -379,25 +399,41 @@ class Layout:
         )
 
 
-def ffn_hidden_size(args: argparse.Namespace) -> int:
-    """``--ffn-hidden-size``, or Megatron-LM's default for it (see the flag's help)."""
-    if args.ffn_hidden_size is not None:
-        return args.ffn_hidden_size
-    if args.swiglu:
-        return int(4 * args.hidden_size * 2 / 3 / 64) * 64
-    return 4 * args.hidden_size
+def model_options(args: argparse.Namespace, *, vocab_size: int) -> GPTOptions:
+    """The model the flags describe, for a tokenizer of ``vocab_size`` ids (before padding).
+
+    Raises:
+        GPTOptionsError: the shape is invalid (see :class:`GPTOptions`).
+    """
+    return GPTOptions(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        seq_length=args.seq_length,
+        vocab_size=vocab_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        max_position_embeddings=args.max_position_embeddings,
+        normalization=args.normalization,
+        swiglu=args.swiglu,
+        position_embedding_type=args.position_embedding_type,
+        add_bias_linear=not args.disable_bias_linear,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        attention_dropout=args.attention_dropout,
+        hidden_dropout=args.hidden_dropout,
+        init_method_std=args.init_method_std,
+        bf16=args.bf16,
+        transformer_impl=args.transformer_impl,
+    )
 
 
-def num_query_groups(args: argparse.Namespace) -> int:
-    """Key/value heads: ``--num-query-groups`` under grouped-query attention, else every head."""
-    return args.num_query_groups if args.group_query_attention else args.num_attention_heads
-
-
-def max_position_embeddings(args: argparse.Namespace) -> int:
-    """``--max-position-embeddings``, defaulting to ``--seq-length`` as in Megatron-LM."""
-    if args.max_position_embeddings is None:
-        return args.seq_length
-    return args.max_position_embeddings
+def tokenizer_from_args(args: argparse.Namespace) -> MegatronTokenizerBase:
+    """The tokenizer named by ``--tokenizer-type`` and its model or vocabulary size."""
+    return build_tokenizer(
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_size=args.vocab_size,
+    )
 
 
 def lr_decay_iters(args: argparse.Namespace) -> int:
@@ -405,23 +441,27 @@ def lr_decay_iters(args: argparse.Namespace) -> int:
     return args.train_iters if args.lr_decay_iters is None else args.lr_decay_iters
 
 
-def padded_vocab_size(vocab_size: int, args: argparse.Namespace) -> int:
-    """The tokenizer's vocabulary padded as Megatron-LM pads it, so every TP shard is equal.
-
-    The output layer's (and embedding's) rows are split over tensor-parallel ranks, so the
-    size is rounded up to a multiple of ``--make-vocab-size-divisible-by`` x TP.
-    """
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return math.ceil(vocab_size / multiple) * multiple
+def data_cache_path(args: argparse.Namespace) -> str:
+    """``--data-cache-path``, or ``cache/`` beside the first ``--data-path`` prefix."""
+    if args.data_cache_path is not None:
+        return args.data_cache_path
+    if args.mock_data:
+        return MOCK_DATA_CACHE
+    prefixes, _ = get_blend_from_list(args.data_path)
+    return os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
 
 
 def validate_args(args: argparse.Namespace, *, world_size: int) -> None:
-    """Raise :class:`ArgumentsError` for the first invalid flag or combination found."""
+    """Raise :class:`ArgumentsError` for the first invalid flag or combination found.
+
+    Reads the tokenizer (for the vocabulary size the model is checked with) and checks that
+    data files exist; writes nothing.
+    """
     _check_positive(args)
-    _check_model(args)
+    _check_data(args)
+    _check_model(args, vocab_size=_tokenizer_vocab_size(args))
     Layout.from_args(args, world_size)
     _check_schedule(args)
-    _check_data(args)
     _check_checkpointing(args)
     _check_logging(args)
     _check_domino(args)
@@ -436,17 +476,14 @@ _POSITIVE = (
     "tensor_model_parallel_size",
     "micro_batch_size",
     "train_iters",
-    "make_vocab_size_divisible_by",
     "log_interval",
 )
 _POSITIVE_IF_GIVEN = (
-    "ffn_hidden_size",
-    "max_position_embeddings",
     "global_batch_size",
     "lr_decay_iters",
     "save_interval",
     "eval_interval",
-    "vocab_size",
+    "ckpt_step",
 )
 
 
@@ -462,55 +499,32 @@ def _check_positive(args: argparse.Namespace) -> None:
     for dest in ("lr_warmup_iters", "eval_iters", "weight_decay", "clip_grad", "min_lr"):
         if getattr(args, dest) < 0:
             raise ArgumentsError(f"{_flag(dest)} must be >= 0, got {getattr(args, dest)}.")
-    for dest in ("attention_dropout", "hidden_dropout", "adam_beta1", "adam_beta2"):
+    for dest in ("adam_beta1", "adam_beta2"):
         if not 0 <= getattr(args, dest) < 1:
             raise ArgumentsError(f"{_flag(dest)} must be in [0, 1), got {getattr(args, dest)}.")
     if args.lr <= 0:
         raise ArgumentsError(f"--lr must be > 0, got {args.lr}.")
 
 
-def _check_model(args: argparse.Namespace) -> None:
-    tp = args.tensor_model_parallel_size
-    heads = args.num_attention_heads
-    if args.hidden_size % heads:
-        raise ArgumentsError(
-            f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads {heads}: "
-            "every head must have the same width."
-        )
-    if heads % tp:
-        raise ArgumentsError(
-            f"--num-attention-heads {heads} is not divisible by --tensor-model-parallel-size "
-            f"{tp}: each TP rank holds whole heads. Pick a head count that is a multiple of {tp}."
-        )
-    groups = num_query_groups(args)
-    if heads % groups:
-        raise ArgumentsError(
-            f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}: "
-            "each key/value head must serve the same number of query heads."
-        )
-    if groups % tp:
-        raise ArgumentsError(
-            f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}: "
-            f"each TP rank holds whole key/value heads. Use a multiple of {tp} query groups."
-        )
-    if ffn_hidden_size(args) % tp:
-        raise ArgumentsError(
-            f"The MLP hidden size {ffn_hidden_size(args)} is not divisible by "
-            f"--tensor-model-parallel-size {tp}; set --ffn-hidden-size to a multiple of {tp}."
-        )
-    if (
-        args.position_embedding_type == "learned_absolute"
-        and max_position_embeddings(args) < args.seq_length
+def _tokenizer_vocab_size(args: argparse.Namespace) -> int:
+    try:
+        return tokenizer_from_args(args).vocab_size
+    except (DataFileError, DataConfigError) as err:
+        raise ArgumentsError(str(err)) from err
+
+
+def _check_model(args: argparse.Namespace, *, vocab_size: int) -> None:
+    try:
+        options = model_options(args, vocab_size=vocab_size)
+        options.check_tensor_parallel(args.tensor_model_parallel_size)
+    except GPTOptionsError as err:
+        raise ArgumentsError(str(err)) from err
+    if args.transformer_impl == "transformer_engine" and not (
+        torch.cuda.is_available() and _installed("transformer_engine")
     ):
         raise ArgumentsError(
-            f"--max-position-embeddings {args.max_position_embeddings} is smaller than "
-            f"--seq-length {args.seq_length}: the learned position table needs a row per "
-            "position. Raise it or drop the flag."
-        )
-    if args.transformer_impl == "transformer_engine" and not _installed("transformer_engine"):
-        raise ArgumentsError(
-            "--transformer-impl transformer_engine needs Transformer Engine, which is not "
-            "installed: install it (`pip install 'megatron-domino[gpu]'`, GPU only) or use "
+            "--transformer-impl transformer_engine needs a CUDA GPU and Transformer Engine "
+            "(`pip install 'megatron-domino[gpu]'`); one of them is missing here. Use "
             "--transformer-impl local."
         )
 
@@ -529,33 +543,23 @@ def _check_schedule(args: argparse.Namespace) -> None:
 def _check_data(args: argparse.Namespace) -> None:
     if args.mock_data == bool(args.data_path):
         raise ArgumentsError(
-            "Give exactly one data source: --data-path PREFIX (a .bin/.idx pair, e.g. made by "
-            "`python -m megatron_domino.data.prepare`) or --mock-data."
+            "Give exactly one data source: --data-path PREFIX (a .bin/.idx pair made by "
+            f"`{PREPARE_COMMAND}`) or --mock-data."
         )
     if args.data_path:
         prefixes, _ = get_blend_from_list(args.data_path)
         for prefix in prefixes:
-            missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
-            if missing:
-                raise ArgumentsError(
-                    f"--data-path {prefix}: {', '.join(missing)} not found. Pass the prefix "
-                    "of an indexed dataset (without .bin/.idx), or prepare one with "
-                    "`python -m megatron_domino.data.prepare`."
-                )
+            for path in (get_bin_path(prefix), get_idx_path(prefix)):
+                try:
+                    require_readable_file(
+                        path,
+                        what=f"--data-path {prefix}",
+                        fix="Pass the prefix of an indexed dataset (without .bin/.idx), or "
+                        f"create one with `{PREPARE_COMMAND}`.",
+                    )
+                except DataFileError as err:
+                    raise ArgumentsError(str(err)) from err
         _check_split(args)
-    if args.tokenizer_type is None:
-        raise ArgumentsError(
-            "--tokenizer-type is required: SentencePieceTokenizer with --tokenizer-model, or "
-            "NullTokenizer with --vocab-size."
-        )
-    if args.tokenizer_type == "SentencePieceTokenizer":
-        if args.tokenizer_model is None or not os.path.isfile(args.tokenizer_model):
-            raise ArgumentsError(
-                f"--tokenizer-type SentencePieceTokenizer needs --tokenizer-model pointing to a "
-                f"SentencePiece .model file; got {args.tokenizer_model!r}."
-            )
-    elif args.vocab_size is None:
-        raise ArgumentsError("--tokenizer-type NullTokenizer needs --vocab-size.")
 
 
 def _check_split(args: argparse.Namespace) -> None:
