@@ -1,0 +1,304 @@
+"""Megatron-Core's GPTModel, built from the handful of options a Domino experiment varies.
+
+:class:`GPTOptions` holds the model's shape and flavour with Megatron-LM's meanings (each field
+names its Megatron-LM flag), validated when built; :meth:`GPTOptions.check_tensor_parallel`
+adds the checks that depend on the TP size. :func:`transformer_config` turns options into
+Megatron-Core's ``TransformerConfig``, :func:`layer_spec` picks the layer implementation and
+:func:`build_gpt_model` builds the ``GPTModel`` for the current model-parallel state.
+
+On the CPU the model is initialised there (``use_cpu_initialization``) and every Apex/TE
+fusion is off, since none of their kernels exist on the CPU. Pass
+:func:`causal_attention_mask` explicitly: Megatron's default causal mask is created on CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+__all__ = [
+    "MAKE_VOCAB_SIZE_DIVISIBLE_BY",
+    "GPTOptions",
+    "GPTOptionsError",
+    "build_gpt_model",
+    "causal_attention_mask",
+    "layer_spec",
+    "padded_vocab_size",
+    "transformer_config",
+]
+
+#: Megatron-LM's ``--make-vocab-size-divisible-by`` default; the padded vocabulary is a
+#: multiple of this times the TP size, so every TP rank holds an equal, aligned vocab shard.
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+
+_NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+_POSITION_EMBEDDINGS = ("learned_absolute", "rope")
+_TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+class GPTOptionsError(ValueError):
+    """An invalid model option or combination; the message names the numbers and the fix."""
+
+
+def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
+    """``vocab_size`` rounded up to a multiple of ``128 * TP``, as Megatron-LM pads it."""
+    multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTOptions:
+    """Shape and flavour of a GPT model, with Megatron-LM's meanings and defaults.
+
+    Optional fields left at ``None`` take Megatron-LM's derived default; read the resolved
+    values from the ``resolved_*`` properties.
+    """
+
+    num_layers: int
+    """``--num-layers``: transformer layers."""
+    hidden_size: int
+    """``--hidden-size``: h, the width of the residual stream ``[s, b, h]``."""
+    num_attention_heads: int
+    """``--num-attention-heads``: query heads; each has ``h / heads`` channels."""
+    seq_length: int
+    """``--seq-length``: s, tokens per sample."""
+    vocab_size: int
+    """Tokenizer vocabulary before padding (see :func:`padded_vocab_size`)."""
+    ffn_hidden_size: int | None = None
+    """``--ffn-hidden-size``: MLP width; ``None`` gives 4h, or ``int(8h/3 / 64) * 64`` with
+    SwiGLU (which has two input projections)."""
+    num_query_groups: int | None = None
+    """``--num-query-groups`` (grouped-query attention): key/value heads shared by
+    ``heads / groups`` query heads each; ``None`` is multi-head attention (groups = heads)."""
+    max_position_embeddings: int | None = None
+    """``--max-position-embeddings``: rows of the learned position table; ``None`` gives
+    ``seq_length``."""
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """``--normalization``."""
+    swiglu: bool = False
+    """``--swiglu``: gated SiLU MLP; fc1 holds the gate and up projections."""
+    position_embedding_type: Literal["learned_absolute", "rope"] = "learned_absolute"
+    """``--position-embedding-type``."""
+    add_bias_linear: bool = True
+    """False is ``--disable-bias-linear``: no biases in any linear layer."""
+    untie_embeddings_and_output_weights: bool = False
+    """``--untie-embeddings-and-output-weights``: a separate output layer instead of reusing
+    the word embedding."""
+    attention_dropout: float = 0.1
+    """``--attention-dropout``: dropout on attention probabilities (TP-rank-specific RNG)."""
+    hidden_dropout: float = 0.1
+    """``--hidden-dropout``: dropout before each residual add (RNG shared across TP ranks)."""
+    init_method_std: float = 0.02
+    """``--init-method-std``: standard deviation of the normal weight initialisation."""
+    bf16: bool = False
+    """``--bf16``: parameters and activations in bfloat16."""
+    transformer_impl: Literal["local", "transformer_engine"] = "local"
+    """``--transformer-impl``: Megatron-Core's own modules (``local``, the only choice on the
+    CPU, and the one Domino patches) or Transformer Engine's."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+            _require_positive(name, getattr(self, name))
+        _require_positive("vocab_size", self.vocab_size)
+        for name in ("ffn_hidden_size", "num_query_groups", "max_position_embeddings"):
+            if getattr(self, name) is not None:
+                _require_positive(name, getattr(self, name))
+        _require_choice("normalization", self.normalization, _NORMALIZATIONS)
+        _require_choice(
+            "position_embedding_type", self.position_embedding_type, _POSITION_EMBEDDINGS
+        )
+        _require_choice("transformer_impl", self.transformer_impl, _TRANSFORMER_IMPLS)
+        for name in ("attention_dropout", "hidden_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise GPTOptionsError(
+                    f"{_flag(name)} must be in [0, 1), got {getattr(self, name)}."
+                )
+        if self.hidden_size % self.num_attention_heads:
+            raise GPTOptionsError(
+                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                f"{self.num_attention_heads}: every head needs the same number of channels. "
+                "Pick a head count that divides the hidden size."
+            )
+        if self.num_attention_heads % self.resolved_num_query_groups:
+            raise GPTOptionsError(
+                f"--num-attention-heads {self.num_attention_heads} is not divisible by "
+                f"--num-query-groups {self.resolved_num_query_groups}: each key/value group "
+                "serves the same number of query heads. Pick a group count that divides the "
+                "head count."
+            )
+        if (
+            self.position_embedding_type == "learned_absolute"
+            and self.resolved_max_position_embeddings < self.seq_length
+        ):
+            raise GPTOptionsError(
+                f"--max-position-embeddings {self.resolved_max_position_embeddings} is smaller "
+                f"than --seq-length {self.seq_length}: the learned position table needs a row "
+                "per position. Raise it to at least the sequence length."
+            )
+
+    @property
+    def resolved_ffn_hidden_size(self) -> int:
+        """MLP width: ``ffn_hidden_size`` or Megatron-LM's default for this model."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            return int(4 * self.hidden_size * 2 / 3 / 64) * 64
+        return 4 * self.hidden_size
+
+    @property
+    def resolved_num_query_groups(self) -> int:
+        """Key/value heads: ``num_query_groups``, or the head count (multi-head attention)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def resolved_max_position_embeddings(self) -> int:
+        """Longest sequence the model accepts: ``max_position_embeddings`` or ``seq_length``."""
+        return self.max_position_embeddings or self.seq_length
+
+    def check_tensor_parallel(self, tensor_model_parallel_size: int) -> None:
+        """Raise :class:`GPTOptionsError` unless every TP-split dimension divides evenly.
+
+        Column-parallel layers split query heads, key/value groups and the MLP width across
+        the TP ranks, each of which must get an equal share.
+        """
+        tp = tensor_model_parallel_size
+        split = (
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_query_groups", self.resolved_num_query_groups),
+            ("ffn_hidden_size", self.resolved_ffn_hidden_size),
+        )
+        for name, value in split:
+            if value % tp:
+                raise GPTOptionsError(
+                    f"{_flag(name)} {value} is not divisible by --tensor-model-parallel-size "
+                    f"{tp}: tensor parallelism gives each rank an equal share. Use a TP size "
+                    f"that divides {value}, or a {_flag(name)} that is a multiple of {tp}."
+                )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _require_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise GPTOptionsError(f"{_flag(name)} must be an integer >= 1, got {value!r}.")
+
+
+def _require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise GPTOptionsError(f"{_flag(name)} must be one of {', '.join(choices)}; got {value!r}.")
+
+
+def transformer_config(
+    options: GPTOptions, *, tensor_model_parallel_size: int
+) -> TransformerConfig:
+    """Megatron-Core's ``TransformerConfig`` for ``options`` at the given TP size.
+
+    Fusions: on the CPU, Apex and TE kernels do not exist, so all are off. With CUDA, the
+    bias-activation, bias-dropout-add and masked-softmax fusions are on for the TE
+    implementation only (the local spec would need Apex's softmax kernel).
+    ``gradient_accumulation_fusion`` stays off because it needs Megatron DDP's ``main_grad``
+    on every weight, and ``persist_layer_norm`` because it needs Apex.
+    """
+    options.check_tensor_parallel(tensor_model_parallel_size)
+    cuda = torch.cuda.is_available()
+    fused = cuda and options.transformer_impl == "transformer_engine"
+    dtype = torch.bfloat16 if options.bf16 else torch.float32
+    return TransformerConfig(
+        num_layers=options.num_layers,
+        hidden_size=options.hidden_size,
+        ffn_hidden_size=options.resolved_ffn_hidden_size,
+        num_attention_heads=options.num_attention_heads,
+        num_query_groups=options.resolved_num_query_groups,
+        normalization=options.normalization,
+        gated_linear_unit=options.swiglu,
+        activation_func=F.silu if options.swiglu else F.gelu,
+        add_bias_linear=options.add_bias_linear,
+        attention_dropout=options.attention_dropout,
+        hidden_dropout=options.hidden_dropout,
+        init_method_std=options.init_method_std,
+        bf16=options.bf16,
+        params_dtype=dtype,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        use_cpu_initialization=not cuda,
+        # The gelu bias fusion requires a bias; Megatron-LM drops it with --disable-bias-linear.
+        bias_activation_fusion=fused and (options.swiglu or options.add_bias_linear),
+        bias_dropout_fusion=fused,
+        masked_softmax_fusion=fused,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+def layer_spec(options: GPTOptions) -> ModuleSpec:
+    """The transformer layer spec for ``options.transformer_impl``.
+
+    Raises:
+        ImportError: Transformer Engine was asked for but does not import.
+        GPTOptionsError: Transformer Engine was asked for without CUDA.
+    """
+    if options.transformer_impl == "local":
+        return get_gpt_layer_local_spec(normalization=options.normalization)
+    if not torch.cuda.is_available():
+        raise GPTOptionsError(
+            "--transformer-impl transformer_engine needs a CUDA device; use "
+            "--transformer-impl local on the CPU."
+        )
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            "--transformer-impl transformer_engine needs Transformer Engine, which does not "
+            "import here. Install it with `pip install 'megatron-domino[gpu]'`, or use "
+            "--transformer-impl local."
+        ) from err
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    return get_gpt_layer_with_transformer_engine_spec()
+
+
+def build_gpt_model(options: GPTOptions) -> GPTModel:
+    """Build the GPTModel shard of this rank, for the TP size of the current parallel state.
+
+    Needs ``megatron.core.parallel_state`` initialised (see
+    :func:`megatron_domino.distributed.init_distributed`). The model is built as Megatron-LM's
+    ``pretrain_gpt`` builds it with one pipeline stage: it takes token ids ``[b, s]``, position
+    ids ``[b, s]`` and a mask ``[1, 1, s, s]`` and returns logits ``[b, s, V_pad / TP]`` (this
+    rank's vocabulary shard), or with ``labels=[b, s]`` the per-token loss ``[b, s]``. It is
+    not wrapped in ``Float16Module`` or DDP; the training loop does that.
+    """
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    return GPTModel(
+        config=transformer_config(options, tensor_model_parallel_size=tp),
+        transformer_layer_spec=layer_spec(options),
+        vocab_size=padded_vocab_size(options.vocab_size, tp),
+        max_sequence_length=options.resolved_max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not options.untie_embeddings_and_output_weights,
+        position_embedding_type=options.position_embedding_type,
+    )
+
+
+def causal_attention_mask(seq_length: int, device: torch.device | str) -> torch.Tensor:
+    """Megatron's boolean causal mask ``[1, 1, s, s]``: True where attention is masked out.
+
+    Query position i may attend key positions j <= i, so True is strictly above the diagonal.
+    It broadcasts over batch and heads. Passing it keeps Megatron from building its default
+    mask, which it creates on CUDA.
+    """
+    ones = torch.ones(seq_length, seq_length, dtype=torch.bool, device=device)
+    return torch.triu(ones, diagonal=1).view(1, 1, seq_length, seq_length)
