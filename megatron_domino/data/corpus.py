@@ -157,8 +157,10 @@ def stdlib_corpus(*, max_bytes: int = 8_000_000) -> Corpus:
 
 
 def _read_utf8(path: Path) -> str:
+    """The file's text exactly: ``newline=""`` keeps ``\r\n`` instead of translating it."""
     try:
-        return path.read_text(encoding="utf-8")
+        with path.open(encoding="utf-8", newline="") as handle:
+            return handle.read()
     except UnicodeDecodeError as err:
         raise CorpusError(
             f"{path}: not UTF-8 text (byte {err.start}: {err.reason}); convert it to UTF-8."

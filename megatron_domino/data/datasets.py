@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-from megatron.core.datasets.indexed_dataset import get_bin_path, get_idx_path
+from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizer, MegatronTokenizerBase
 
@@ -153,7 +153,8 @@ def build_datasets(
 
     Raises:
         DataConfigError: neither or both of ``data_path``/``mock_data``, a blend of several
-            prefixes without ``torch.distributed`` (see below), or bad sample counts.
+            prefixes without ``torch.distributed``, bad sample counts, or a split that would
+            get no documents (Megatron-Core would hang).
         DataFileError: a ``.bin``/``.idx`` file is missing or unreadable; the message says
             how to create it.
     """
@@ -193,6 +194,9 @@ def build_datasets(
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=False,
     )
+    if not mock_data:
+        for prefix in blend[0]:
+            _check_every_split_gets_documents(prefix, config.split_matrix, split)
     builder = BlendedMegatronDatasetBuilder(
         MockGPTDataset if mock_data else GPTDataset,
         list(num_samples),
@@ -232,6 +236,23 @@ def iterate_micro_batches(
         first = start + data_parallel_rank * micro_batch_size
         samples = [dataset[index] for index in range(first, first + micro_batch_size)]
         yield {key: torch.stack([sample[key] for sample in samples]) for key in BATCH_KEYS}
+
+
+def _check_every_split_gets_documents(
+    prefix: str, split_matrix: Sequence[tuple[float, float] | None], split: str
+) -> None:
+    """Refuse a split that would get no documents of ``prefix``: Megatron-Core 0.16's GPTDataset
+    then loops forever looking for the tokens of one epoch. The bounds are rounded as
+    ``BlendedMegatronDatasetBuilder`` rounds them."""
+    num_documents = len(IndexedDataset(prefix))
+    for name, bounds in zip(("train", "valid", "test"), split_matrix, strict=True):
+        if bounds is not None and round(bounds[0] * num_documents) == round(
+            bounds[1] * num_documents
+        ):
+            raise DataConfigError(
+                f"--split {split} leaves the {name} split no documents of the {num_documents} "
+                f"in --data-path {prefix}; prepare a larger corpus or give {name} weight 0."
+            )
 
 
 def _check_prefix(prefix: str) -> list[dict[str, int | str]]:

@@ -219,7 +219,17 @@ def train_sentencepiece(
     line break. Identity normalisation, kept whitespace and no dummy prefix leave the text
     unchanged; byte fallback spells any unseen character as UTF-8 bytes instead of ``<unk>``.
     """
-    lines = _training_lines(corpus)
+    reading_error: list[Exception] = []
+
+    def lines() -> Iterator[str]:
+        # SentencePiece turns an exception raised by the iterator into a RuntimeError; keep
+        # the original (e.g. a CorpusError naming the bad line) to re-raise it.
+        try:
+            yield from _training_lines(corpus)
+        except Exception as err:
+            reading_error.append(err)
+            raise
+
     model = io.BytesIO()
     sentencepiece.set_random_generator_seed(settings.seed)
     logger.info(
@@ -229,24 +239,29 @@ def train_sentencepiece(
         settings.input_sentence_size,
     )
     started = time.monotonic()
-    sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=lines,
-        model_writer=model,
-        vocab_size=settings.vocab_size,
-        model_type=settings.tokenizer_algorithm,
-        input_sentence_size=settings.input_sentence_size,
-        shuffle_input_sentence=True,
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        add_dummy_prefix=False,
-        byte_fallback=True,
-        user_defined_symbols=["\n"],
-        allow_whitespace_only_pieces=True,
-        split_digits=True,
-        hard_vocab_limit=False,
-        num_threads=num_threads,
-        minloglevel=1,
-    )
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=lines(),
+            model_writer=model,
+            vocab_size=settings.vocab_size,
+            model_type=settings.tokenizer_algorithm,
+            input_sentence_size=settings.input_sentence_size,
+            shuffle_input_sentence=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            byte_fallback=True,
+            user_defined_symbols=["\n"],
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            hard_vocab_limit=False,
+            num_threads=num_threads,
+            minloglevel=1,
+        )
+    except RuntimeError as err:
+        if reading_error:
+            raise reading_error[0] from None
+        raise SettingsError(f"SentencePiece cannot train with {settings}: {err}") from err
     Path(output_model).write_bytes(model.getvalue())
     logger.info("trained the tokenizer in %.1f s", time.monotonic() - started)
 
