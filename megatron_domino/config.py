@@ -16,6 +16,10 @@ class DominoConfigError(ValueError):
     """An invalid Domino setting; the message names the setting and the fix."""
 
 
+class DominoUnsupportedError(RuntimeError):
+    """A model feature Domino cannot run with; the message names it and what to do instead."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class DominoConfig:
     """How Domino slices each transformer layer's work to hide tensor-parallel collectives.

@@ -1,0 +1,147 @@
+"""Backward overlap: a column-parallel linear whose input-gradient all-reduce crosses chunks.
+
+Megatron-Core's column-parallel linear (QKV, fc1) launches the all-reduce of its input
+gradient ``dX = dY @ W`` (``[s, b/p, h]``), computes ``dW`` while it flies, then *waits before
+returning*, so the collective can hide behind that one GEMM only. Here the linear's backward
+launches the all-reduce, computes ``dW``, and returns ``dX`` still in flight; an identity placed
+on the linear's input (the norm output) waits for it in its backward. Between the two, the
+autograd engine runs other chunks' backward work, because the schedule created that work
+between the identity and the linear in forward (the engine runs ready nodes latest-created
+first). The pair shares a :class:`DgradReduceSlot`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_domino.collectives import CollectiveLabel
+from megatron_domino.recorder import LAUNCH, WAIT_BEGIN, WAIT_END
+
+
+class DgradReduceSlot:
+    """The input-gradient all-reduce of one column-parallel linear call for one chunk.
+
+    Created in forward by the schedule, filled by the linear's backward (:meth:`launch`),
+    emptied by the identity's backward (:meth:`wait`). ``pending`` is True only in between.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, label: CollectiveLabel) -> None:
+        self.group = group
+        self.label = label
+        self._work = None
+        self._buffer: torch.Tensor | None = None
+        self._collective: int | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._work is not None
+
+    def launch(self, grad_input: torch.Tensor) -> None:
+        """Start the in-place all-reduce of ``grad_input`` (``[s, b/p, h]``)."""
+        if self._work is not None:
+            raise RuntimeError(f"{self.label.name} of layer {self.label.layer} chunk "
+                               f"{self.label.chunk} launched twice without a wait.")
+        label = self.label
+        self._collective = label.recorder.new_collective_id()
+        self._buffer = grad_input
+        self._work = dist.all_reduce(grad_input, group=self.group, async_op=True)
+        label.recorder.record(LAUNCH, label.name, label.layer, label.chunk, "bwd",
+                              collective=self._collective)
+
+    def wait(self, grad: torch.Tensor) -> torch.Tensor:
+        """Wait for the all-reduce and return the reduced gradient.
+
+        ``grad`` must be the very tensor that was launched: if autograd had summed it with
+        another consumer's gradient first, that sum would have read an unreduced buffer.
+        """
+        if self._work is None:
+            return grad
+        if grad is not self._buffer and grad.data_ptr() != self._buffer.data_ptr():
+            raise RuntimeError(
+                "Domino backward overlap needs the column-parallel linear to be the only "
+                "consumer of its input; another op consumed it, so its gradient was summed "
+                "with an in-flight all-reduce buffer. Disable with --no-domino-backward-overlap."
+            )
+        label = self.label
+        label.recorder.record(WAIT_BEGIN, label.name, label.layer, label.chunk, "bwd",
+                              collective=self._collective)
+        self._work.wait()
+        label.recorder.record(WAIT_END, label.name, label.layer, label.chunk, "bwd",
+                              collective=self._collective)
+        reduced, self._work, self._buffer = self._buffer, None, None
+        return reduced
+
+
+class _WaitForDgradReduce(torch.autograd.Function):
+    """Forward: identity on the linear's input; backward: wait for the slot's all-reduce."""
+
+    @staticmethod
+    def forward(ctx, linear_input: torch.Tensor, slot: DgradReduceSlot):
+        ctx.slot = slot
+        return linear_input
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        return ctx.slot.wait(grad_output), None
+
+
+def wait_for_dgrad_reduce(linear_input: torch.Tensor, slot: DgradReduceSlot) -> torch.Tensor:
+    """Place the backward wait of ``slot`` on ``linear_input`` (``[s, b/p, h]``)."""
+    return _WaitForDgradReduce.apply(linear_input, slot)
+
+
+class _ColumnLinearAsyncDgrad(torch.autograd.Function):
+    """``Y = X @ W^T (+ b)`` whose backward leaves the ``dX`` all-reduce in flight.
+
+    Shapes: ``X`` ``[s, b/p, h]``, ``W`` ``[n/tp, h]`` (this rank's rows), ``Y`` ``[s, b/p, n/tp]``.
+    With gradient-accumulation fusion (Megatron's ``main_grad``), ``dW`` is added into
+    ``W.main_grad`` in fp32 and a placeholder gradient is returned, as Megatron-Core does, so
+    its DDP hooks know the gradient is already accumulated.
+    """
+
+    @staticmethod
+    def forward(ctx, linear_input, weight, bias, slot: DgradReduceSlot, accumulate_in_main_grad: bool):
+        ctx.save_for_backward(linear_input, weight)
+        ctx.slot = slot
+        ctx.has_bias = bias is not None
+        ctx.accumulate_in_main_grad = accumulate_in_main_grad
+        output = torch.matmul(linear_input, weight.t())
+        return output + bias if bias is not None else output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        linear_input, weight = ctx.saved_tensors
+        label = ctx.slot.label
+        with label.recorder.region("dgrad_gemm", label.layer, label.chunk, "bwd"):
+            grad_input = grad_output.matmul(weight)
+        ctx.slot.launch(grad_input)
+        grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:
+            with label.recorder.region("wgrad_gemm", label.layer, label.chunk, "bwd"):
+                grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
+                input_2d = linear_input.reshape(-1, linear_input.shape[-1])
+                grad_weight = _weight_gradient(weight, grad_2d, input_2d, ctx.accumulate_in_main_grad)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def _weight_gradient(weight, grad_2d, input_2d, accumulate_in_main_grad: bool):
+    """``dW = dY^T @ X`` (``[n/tp, h]``), or its accumulation into ``weight.main_grad``."""
+    if not accumulate_in_main_grad:
+        return grad_2d.t().matmul(input_2d)
+    weight.main_grad.addmm_(grad_2d.t().to(weight.main_grad.dtype),
+                            input_2d.to(weight.main_grad.dtype))
+    if not hasattr(weight, "grad_added_to_main_grad"):
+        return None
+    weight.grad_added_to_main_grad = True
+    # Megatron-Core returns a dummy gradient here so DDP's hooks run on the main thread.
+    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+    return make(weight.main_grad.shape, dtype=input_2d.dtype, device=input_2d.device)
+
+
+def column_linear_async_dgrad(linear_input, weight, bias, slot: DgradReduceSlot,
+                              accumulate_in_main_grad: bool) -> torch.Tensor:
+    """Apply the column-parallel GEMM whose backward launches ``slot``'s all-reduce."""
+    return _ColumnLinearAsyncDgrad.apply(linear_input, weight, bias, slot, accumulate_in_main_grad)

@@ -1,0 +1,83 @@
+"""Domino's ``TransformerBlock.forward``: split the batch, run the schedule, join, final norm.
+
+It replaces the stock forward of one block instance (see :mod:`megatron_domino.integration`)
+and keeps its contract: hidden states ``[s, b, h]`` in, ``[s, b, h]`` out after the final
+norm, called with keyword arguments by ``GPTModel``. What the stock forward does around the
+layer loop (viewless tensors, the final norm) is done the same way; the features it handles
+that Domino does not (recompute, FP8, offloading, sequence parallelism, cross-attention,
+inference) were refused when Domino was applied, and arguments that only they use must be
+``None`` here.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.utils import WrappedTensor, make_viewless_tensor
+
+from megatron_domino.config import DominoConfigError, DominoUnsupportedError
+from megatron_domino.schedule import run_layers
+from megatron_domino.state import ChunkState, DominoRuntime
+
+#: Keyword arguments of the stock forward passed to every chunk's attention unchanged.
+SHARED_ATTENTION_ARGS = ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin")
+#: Keyword arguments Domino accepts but that do not matter for dense GPT training.
+IGNORED_ARGS = ("padding_mask", "dynamic_inference_decode_only")
+
+
+def domino_block_forward(block: TransformerBlock, hidden_states, attention_mask=None, *,
+                         runtime: DominoRuntime, **kwargs) -> torch.Tensor:
+    """Forward of a Domino-patched block.
+
+    Args:
+        hidden_states: ``[s, b, h]`` (or a ``WrappedTensor``), the embedding output.
+        attention_mask: ``[1, 1, s, s]`` shared, or ``[b, 1, s, s]`` per sample (sliced per chunk).
+        **kwargs: the stock forward's other keyword arguments; unsupported ones must be None.
+    Returns:
+        ``[s, b, h]`` after the final norm.
+    """
+    _refuse_unsupported_arguments(kwargs)
+    if isinstance(hidden_states, WrappedTensor):
+        hidden_states = hidden_states.unwrap()
+    hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+
+    p = runtime.config.chunks
+    batch = hidden_states.shape[1]
+    if batch % p:
+        raise DominoConfigError(
+            f"Micro-batch size {batch} is not divisible by --domino-chunks {p}; use a "
+            "micro-batch that is a multiple of the chunk count.")
+    attention_bias = kwargs.get("attention_bias")
+    chunks = [
+        ChunkState(index=c, hidden=hidden.contiguous(),
+                   attention_mask=_chunk_of(attention_mask, c, p, batch),
+                   attention_bias=_chunk_of(attention_bias, c, p, batch))
+        for c, hidden in enumerate(hidden_states.chunk(p, dim=1))
+    ]
+    attention_kwargs = {name: kwargs.get(name) for name in SHARED_ATTENTION_ARGS}
+    with runtime.new_step(chunks):
+        run_layers(runtime, block.layers, chunks, attention_kwargs)
+        hidden_states = torch.cat([chunk.hidden for chunk in chunks], dim=1)
+
+    if block.final_layernorm is not None:
+        hidden_states = block.final_layernorm(hidden_states)
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+    return hidden_states
+
+
+def _chunk_of(tensor: torch.Tensor | None, chunk: int, chunks: int, batch: int):
+    """Chunk ``chunk``'s samples of a per-sample tensor ``[b, ...]``; shared tensors as is."""
+    if tensor is None or tensor.shape[0] != batch or batch == 1:
+        return tensor
+    size = batch // chunks
+    return tensor[chunk * size:(chunk + 1) * size]
+
+
+def _refuse_unsupported_arguments(kwargs: dict) -> None:
+    supported = set(SHARED_ATTENTION_ARGS) | set(IGNORED_ARGS) | {"attention_bias"}
+    used = sorted(name for name, value in kwargs.items() if value is not None and name not in supported)
+    if used:
+        raise DominoUnsupportedError(
+            f"Domino does not support these TransformerBlock arguments: {', '.join(used)} "
+            "(cross-attention, packed sequences, inference and rotary cos/sin caches run only "
+            "on the stock path). Train without --domino for this model.")

@@ -1,0 +1,182 @@
+"""Apply Domino to a Megatron-Core GPT model, and take it off again.
+
+``apply_domino(model, config)`` binds Domino's ``forward`` onto *instances* of the model's
+transformer block and of its layers' tensor-parallel linears (the classes stay untouched, so
+an unpatched model in the same process, e.g. the baseline of an A/B test, is unaffected). No
+parameter is created or replaced: the schedule calls the model's own submodules. The returned
+:class:`DominoHandle` reverts exactly what was bound; applying twice raises, as does reverting
+twice. Everything Domino cannot run with is refused here, before the first step, with the
+reason and the fix: a silent fallback would turn an A/B comparison into baseline vs baseline.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_domino.block import domino_block_forward
+from megatron_domino.config import DominoConfig, DominoUnsupportedError
+from megatron_domino.linears import column_parallel_forward, row_parallel_forward
+from megatron_domino.recorder import NULL_RECORDER, NullRecorder
+from megatron_domino.state import DominoRuntime
+from megatron_domino.version import check_megatron_core_version
+
+#: (TransformerConfig attribute, is-refused predicate, reason and fix)
+_REFUSED_FEATURES = (
+    ("sequence_parallel", bool,
+     "sequence parallelism is not supported by Domino yet; drop --sequence-parallel"),
+    ("tp_comm_overlap", bool,
+     "TE userbuffer overlap (tp_comm_overlap) takes over the same collectives; use one or the other"),
+    ("enable_cuda_graph", bool, "CUDA graphs bypass forward(); disable CUDA graphs"),
+    ("external_cuda_graph", bool, "CUDA graphs bypass forward(); disable CUDA graphs"),
+    ("cuda_graph_impl", lambda v: v not in (None, "none"), "CUDA graphs bypass forward(); set cuda_graph_impl='none'"),
+    ("recompute_granularity", lambda v: v is not None,
+     "activation recompute replays the forward outside Domino's schedule; drop --recompute-*"),
+    ("num_moe_experts", lambda v: v is not None, "MoE layers are not supported; use a dense model"),
+    ("overlap_moe_expert_parallel_comm", bool,
+     "MoE combined-1F1B overlap takes over the same layers; disable it"),
+    ("fp8", lambda v: v is not None, "FP8 needs the Transformer Engine path, which Domino does not patch yet"),
+    ("fp4", lambda v: v is not None, "FP4 needs the Transformer Engine path, which Domino does not patch yet"),
+    ("cpu_offloading", bool, "activation CPU offloading is not supported; disable it"),
+    ("fine_grained_activation_offloading", bool, "activation offloading is not supported; disable it"),
+    ("pipeline_model_parallel_size", lambda v: (v or 1) > 1,
+     "pipeline parallelism is not supported by Domino yet; use --pipeline-model-parallel-size 1"),
+    ("context_parallel_size", lambda v: (v or 1) > 1, "context parallelism is not supported; use size 1"),
+    ("delay_wgrad_compute", bool, "delayed weight-gradient compute is not supported; disable it"),
+    ("multi_latent_attention", bool, "multi-latent attention is not supported; use standard attention"),
+    ("experimental_attention_variant", lambda v: v is not None, "experimental attention variants are not supported"),
+    ("inference_fuse_tp_communication", bool, "fused inference TP communication is not supported"),
+)
+
+
+class DominoHandle:
+    """What ``apply_domino`` bound, so it can be reverted; also a context manager.
+
+    Attributes:
+        runtime: the model's :class:`~megatron_domino.state.DominoRuntime` (its ``last_step``
+            and ``recorder`` are what tests and the overlap report read).
+    """
+
+    def __init__(self, runtime: DominoRuntime, patched: list[torch.nn.Module]) -> None:
+        self.runtime = runtime
+        self._patched = patched
+
+    @property
+    def active(self) -> bool:
+        return bool(self._patched)
+
+    def revert(self) -> None:
+        """Restore every patched module's stock ``forward``."""
+        if not self._patched:
+            raise RuntimeError("Domino was already reverted on this model.")
+        for module in self._patched:
+            del module.forward
+        self._patched = []
+
+    def __enter__(self) -> DominoHandle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.revert()
+
+
+def apply_domino(model: torch.nn.Module, config: DominoConfig, *,
+                 recorder: NullRecorder = NULL_RECORDER) -> DominoHandle:
+    """Make ``model``'s transformer block run the Domino schedule.
+
+    Args:
+        model: a Megatron-Core ``GPTModel`` built from the local layer spec, bare or wrapped
+            (DDP, Float16Module): its single ``TransformerBlock`` is found by type.
+        config: the Domino settings.
+        recorder: an :class:`~megatron_domino.recorder.EventRecorder` to record the schedule.
+    Raises:
+        DominoUnsupportedError: for any model feature Domino cannot run with (see the message).
+        UnsupportedMegatronVersion: outside the tested Megatron-Core releases.
+    """
+    check_megatron_core_version()
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    if len(blocks) != 1:
+        raise DominoUnsupportedError(
+            f"Domino expects exactly one TransformerBlock in the model, found {len(blocks)}.")
+    block = blocks[0]
+    if "forward" in vars(block):
+        raise RuntimeError("Domino is already applied to this model; revert the first handle "
+                           "before applying again.")
+    _refuse_unsupported(block, config)
+
+    tp_group = block.layers[0].self_attention.linear_proj.tp_group
+    runtime = DominoRuntime(config, tp_group, recorder)
+    patched = [block]
+    block.forward = functools.partial(domino_block_forward, block, runtime=runtime)
+    for layer in block.layers:
+        rows = (layer.self_attention.linear_proj, layer.mlp.linear_fc2)
+        columns = (layer.self_attention.linear_qkv, layer.mlp.linear_fc1)
+        for linear in rows:
+            linear.forward = functools.partial(row_parallel_forward, linear, runtime=runtime)
+        if config.backward_overlap:
+            for linear in columns:
+                linear.forward = functools.partial(column_parallel_forward, linear, runtime=runtime)
+        patched += list(rows) + (list(columns) if config.backward_overlap else [])
+    return DominoHandle(runtime, patched)
+
+
+def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
+    """Raise one :class:`DominoUnsupportedError` listing every reason Domino cannot run."""
+    model_config = block.config
+    problems = [reason for name, refused, reason in _REFUSED_FEATURES
+                if refused(getattr(model_config, name, None))]
+    tp_size = block.layers[0].self_attention.linear_proj.tp_group.size() if block.layers else 1
+    if tp_size < 2:
+        problems.append("tensor-model-parallel size is 1, so there is no tensor-parallel "
+                        "communication to hide; use --tensor-model-parallel-size >= 2 or drop --domino")
+    if not block.layers:
+        problems.append("the block has no layers")
+    if model_config.hidden_size % config.column_chunks:
+        problems.append(f"--hidden-size {model_config.hidden_size} is not divisible by "
+                        f"--domino-column-chunks {config.column_chunks}")
+    for index, layer in enumerate(block.layers):
+        problems += [f"layer {index}: {p}" for p in _layer_problems(layer)]
+    if problems:
+        raise DominoUnsupportedError(
+            "Domino cannot run on this model:\n  - " + "\n  - ".join(dict.fromkeys(problems)))
+
+
+def _layer_problems(layer: torch.nn.Module) -> list[str]:
+    """Structural checks: Domino calls these submodules itself, so they must be the stock ones."""
+    if type(layer) is not TransformerLayer or layer.is_moe_layer:
+        return [f"{type(layer).__name__} is not a dense Megatron-Core TransformerLayer"]
+    attention, mlp = layer.self_attention, layer.mlp
+    problems = []
+    if not isinstance(attention, SelfAttention) or not isinstance(mlp, MLP):
+        problems.append("self-attention and MLP must be Megatron-Core's SelfAttention and MLP")
+        return problems
+    expected = {
+        "linear_qkv": (attention.linear_qkv, ColumnParallelLinear),
+        "linear_proj": (attention.linear_proj, RowParallelLinear),
+        "linear_fc1": (mlp.linear_fc1, ColumnParallelLinear),
+        "linear_fc2": (mlp.linear_fc2, RowParallelLinear),
+    }
+    for name, (module, cls) in expected.items():
+        if type(module).forward is not cls.forward:
+            problems.append(
+                f"{name} is {type(module).__name__}, not Megatron-Core's {cls.__name__}: "
+                "Transformer Engine layers are not supported yet; use --transformer-impl local")
+        elif cls is ColumnParallelLinear and (module.gather_output or module.sequence_parallel
+                                              or not module.allreduce_dgrad):
+            problems.append(f"{name} must be a plain column-parallel linear (no gather_output)")
+    if not isinstance(layer.cross_attention, IdentityOp) or not isinstance(layer.pre_cross_attn_layernorm, IdentityOp):
+        problems.append("cross-attention is not supported")
+    if not isinstance(layer.cross_attn_bda, IdentityFuncOp):
+        problems.append("cross-attention bias-dropout-add is not supported")
+    if layer.recompute_input_layernorm or layer.recompute_pre_mlp_layernorm or layer.recompute_mlp:
+        problems.append("activation recompute is not supported")
+    if layer.offload_attn_norm or layer.offload_mlp_norm or getattr(attention, "offload_attn_proj", False):
+        problems.append("activation offloading is not supported")
+    return problems

@@ -1,0 +1,98 @@
+"""Domino's versions of the ``forward`` of Megatron-Core's tensor-parallel linears.
+
+They are bound per module instance by :mod:`megatron_domino.integration` (the class is left
+untouched, so other models in the process keep stock behaviour) and act only while the
+Domino schedule runs an op for a chunk; otherwise they call the stock ``forward``.
+
+* :func:`row_parallel_forward` (attention ``linear_proj``, MLP ``linear_fc2``): during a core
+  op it only captures its input, so that the schedule can run the GEMM in a later op, after
+  another chunk's work has been issued. During the projection op it runs the GEMM with
+  Megatron-Core's own ``_forward_impl``, split into ``k`` pieces along the output dimension
+  ``h``, and launches each piece's all-reduce instead of Megatron's blocking
+  ``reduce_from_tensor_model_parallel_region``.
+* :func:`column_parallel_forward` (``linear_qkv``, ``linear_fc1``): with backward overlap on,
+  uses :func:`~megatron_domino.backward_overlap.column_linear_async_dgrad`, whose input
+  gradient all-reduce is waited by the identity the schedule placed on the linear's input.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+from megatron_domino.backward_overlap import column_linear_async_dgrad
+from megatron_domino.collectives import PendingReduce
+from megatron_domino.recorder import time_backward
+from megatron_domino.state import DominoRuntime
+
+
+def row_parallel_forward(module: RowParallelLinear, input_: torch.Tensor, *,
+                         runtime: DominoRuntime):
+    """Capture (core op) or run-and-launch (projection op) a row-parallel linear.
+
+    Args:
+        input_: ``[s, b/p, n/tp]``, this rank's slice of the attention context or of the
+            MLP activation.
+    Returns:
+        ``(None, None)`` when capturing; else ``(PendingReduce, bias-or-None)``, the output
+        ``[s, b/p, h]`` being available only through ``PendingReduce.wait``.
+    """
+    step = runtime.step
+    if step is None or step.active is None:
+        return RowParallelLinear.forward(module, input_)
+    chunk = step.active
+    if step.deferred_module is module:
+        chunk.deferred_input = input_
+        return None, None
+    if step.deferred_module is not None:
+        raise RuntimeError(f"Domino: an unexpected {type(module).__name__} ran inside the "
+                           f"{step.sublayer} core op; this module structure is unsupported.")
+    label = step.label("ar", runtime.recorder)
+    pending = PendingReduce(runtime.tp_group, label, bias=None if module.skip_bias_add else module.bias)
+    k = runtime.config.column_chunks
+    weight_pieces = module.weight.chunk(k, dim=0) if k > 1 else (module.weight,)
+    for piece, weight in enumerate(weight_pieces):
+        gemm = f"{step.sublayer}_projection_gemm"
+        with runtime.recorder.region(gemm, label.layer, label.chunk, "fwd", piece):
+            # Megatron-Core's own GEMM path (frozen weights, main_grad accumulation), called by
+            # keyword: the positional order changed between releases. A weight slice has no
+            # main_grad, so pieces accumulate through autograd instead.
+            partial = module._forward_impl(
+                input=input_,
+                weight=weight,
+                bias=None,
+                gradient_accumulation_fusion=module.gradient_accumulation_fusion and k == 1,
+                allreduce_dgrad=False,
+                sequence_parallel=False,
+                tp_group=None,
+                grad_output_buffer=None,
+            )
+        time_backward(partial, runtime.recorder, gemm, label.layer, label.chunk, piece)
+        pending.launch(partial)
+    return pending, module.bias if module.skip_bias_add else None
+
+
+def column_parallel_forward(module: ColumnParallelLinear, input_: torch.Tensor,
+                            weight: torch.Tensor | None = None,
+                            runtime_gather_output: bool | None = None, *,
+                            runtime: DominoRuntime):
+    """Column-parallel GEMM whose input-gradient all-reduce outlives its backward.
+
+    Args:
+        input_: ``[s, b/p, h]``, the norm output replicated on every tensor-parallel rank.
+    Returns:
+        ``(output [s, b/p, n/tp], bias-or-None)`` as Megatron-Core's ``forward``.
+    """
+    step = runtime.step
+    chunk = None if step is None else step.active
+    if chunk is None or chunk.dgrad_slot is None:
+        return ColumnParallelLinear.forward(module, input_, weight, runtime_gather_output)
+    if input_ is not chunk.linear_input or weight is not None or runtime_gather_output:
+        raise RuntimeError(
+            "Domino: a column-parallel linear received something other than the norm output "
+            "the schedule prepared for it; this Megatron-Core module structure is unsupported.")
+    slot, chunk.dgrad_slot = chunk.dgrad_slot, None
+    accumulate = module.gradient_accumulation_fusion and hasattr(module.weight, "main_grad")
+    bias = None if module.skip_bias_add else module.bias
+    output = column_linear_async_dgrad(input_, module.weight, bias, slot, accumulate)
+    return output, module.bias if module.skip_bias_add else None

@@ -1,0 +1,165 @@
+"""The chunked schedule: a transformer block's forward as a wavefront over row chunks.
+
+The block input ``[s, b, h]`` is split along ``b`` into ``p`` chunks ``[s, b/p, h]``. Samples
+never interact inside a transformer, so each chunk runs the layer stack on its own. Each
+layer is, per chunk, six ops that call Megatron-Core's own submodules:
+
+=====================  =============================================================  =====
+op                     work (all on this chunk)                                       kind
+=====================  =============================================================  =====
+attention_norm         [wait mlp all-reduce of layer l-1; mlp bias-dropout-add];      P
+                       input_layernorm; place the backward wait of the QKV dX
+attention_core         self_attention up to linear_proj: QKV, RoPE, core attention    H
+attention_projection   linear_proj GEMM (k pieces); launch its all-reduce(s)          R
+mlp_norm               wait; self-attention bias-dropout-add; pre_mlp_layernorm;     P
+                       place the backward wait of the fc1 dX
+mlp_core               mlp up to linear_fc2: fc1, activation                          H
+mlp_projection         linear_fc2 GEMM (k pieces); launch its all-reduce(s)           R
+=====================  =============================================================  =====
+
+and a final ``finish`` (wait, mlp bias-dropout-add) after the last layer of a segment.
+
+**Wavefront.** At tick ``t`` chunk ``c`` runs its op ``t - c``. So chunk ``c+1``'s core runs
+between chunk ``c``'s projection (launch) and its next norm (wait): every forward all-reduce
+flies behind another chunk's GEMMs. For ``p = 2`` this is exactly the order of the Domino
+paper (arXiv 2409.15241, sec. 4). In backward, autograd runs ready nodes latest-created first;
+because another chunk's projection op was created between a chunk's norm (where the dX wait
+sits) and its core (whose column linear launches the dX all-reduce), that projection's
+backward GEMMs run while the dX all-reduce flies.
+
+**Segments.** With inter-layer overlap the whole stack is one segment: the last chunk's MLP
+all-reduce of layer ``l`` is waited in layer ``l+1``'s ``attention_norm``. Without it, each
+layer is a segment that ends with every chunk's ``finish``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import make_viewless_tensor
+
+from megatron_domino.backward_overlap import DgradReduceSlot, wait_for_dgrad_reduce
+from megatron_domino.collectives import CollectiveLabel
+from megatron_domino.state import ChunkState, DominoRuntime
+
+Op = Callable[[ChunkState], None]
+
+
+class LayerOps:
+    """The ops of one :class:`TransformerLayer` for any chunk (see the module docstring).
+
+    Args:
+        runtime: the model's Domino runtime (step state, settings, recorder).
+        layer: the Megatron-Core layer whose submodules the ops call.
+        index: the layer's 0-based position in the block (for labels).
+        attention_kwargs: rotary embeddings etc., shared by all chunks.
+    """
+
+    def __init__(self, runtime: DominoRuntime, layer: TransformerLayer, index: int,
+                 attention_kwargs: dict) -> None:
+        self.runtime = runtime
+        self.layer = layer
+        self.index = index
+        self.attention_kwargs = attention_kwargs
+
+    def ops(self) -> list[tuple[str, Op]]:
+        return [
+            ("attention_norm", self.attention_norm),
+            ("attention_core", self.attention_core),
+            ("attention_projection", functools.partial(self.projection, "attention")),
+            ("mlp_norm", self.mlp_norm),
+            ("mlp_core", self.mlp_core),
+            ("mlp_projection", functools.partial(self.projection, "mlp")),
+        ]
+
+    def attention_norm(self, chunk: ChunkState, previous: LayerOps | None) -> None:
+        if chunk.pending is not None:
+            previous.finish(chunk)
+        chunk.residual = chunk.hidden
+        normed = self.layer.input_layernorm(chunk.hidden)
+        chunk.linear_input = self._place_dgrad_wait(normed, chunk, "attention")
+
+    def attention_core(self, chunk: ChunkState) -> None:
+        attention = self.layer.self_attention
+        with self.runtime.acting_for(chunk, self.index, "attention", defer=attention.linear_proj):
+            attention(chunk.linear_input, attention_mask=chunk.attention_mask,
+                      attention_bias=chunk.attention_bias, **self.attention_kwargs)
+
+    def projection(self, sublayer: str, chunk: ChunkState) -> None:
+        linear = self.layer.self_attention.linear_proj if sublayer == "attention" else self.layer.mlp.linear_fc2
+        with self.runtime.acting_for(chunk, self.index, sublayer):
+            chunk.pending, chunk.pending_bias = linear(chunk.deferred_input)
+        chunk.deferred_input = None
+
+    def mlp_norm(self, chunk: ChunkState) -> None:
+        chunk.residual = self._bias_dropout_add(self.layer.self_attn_bda, chunk)
+        normed = self.layer.pre_mlp_layernorm(chunk.residual)
+        chunk.linear_input = self._place_dgrad_wait(normed, chunk, "mlp")
+
+    def mlp_core(self, chunk: ChunkState) -> None:
+        with self.runtime.acting_for(chunk, self.index, "mlp", defer=self.layer.mlp.linear_fc2):
+            self.layer.mlp(chunk.linear_input)
+
+    def finish(self, chunk: ChunkState) -> None:
+        """Wait for this layer's MLP all-reduce and add it to the residual stream."""
+        hidden = self._bias_dropout_add(self.layer.mlp_bda, chunk)
+        chunk.hidden = make_viewless_tensor(inp=hidden, requires_grad=hidden.requires_grad,
+                                            keep_graph=True)
+        chunk.residual = None
+
+    def _bias_dropout_add(self, bda_module, chunk: ChunkState) -> torch.Tensor:
+        """Wait for the sub-layer's all-reduce, then Megatron's bias-dropout-add ``[s, b/p, h]``."""
+        output = chunk.pending.wait()
+        bias, chunk.pending, chunk.pending_bias = chunk.pending_bias, None, None
+        layer = self.layer
+        with layer.bias_dropout_add_exec_handler():
+            return bda_module(layer.training, layer.config.bias_dropout_fusion)(
+                (output, bias), chunk.residual, layer.hidden_dropout)
+
+    def _place_dgrad_wait(self, normed: torch.Tensor, chunk: ChunkState, sublayer: str) -> torch.Tensor:
+        """Put the backward wait of the next column linear's dX all-reduce on its input."""
+        runtime = self.runtime
+        if not (runtime.config.backward_overlap and torch.is_grad_enabled() and normed.requires_grad):
+            return normed
+        label = CollectiveLabel(f"{sublayer}_dgrad_ar", self.index, chunk.index, runtime.recorder)
+        chunk.dgrad_slot = DgradReduceSlot(runtime.tp_group, label)
+        runtime.step.dgrad_slots.append(chunk.dgrad_slot)
+        return wait_for_dgrad_reduce(normed, chunk.dgrad_slot)
+
+
+def segment_ops(layer_ops: list[LayerOps]) -> list[tuple[str, int, Op]]:
+    """The op sequence of one segment: six ops per layer, then the last layer's finish."""
+    sequence = []
+    for position, ops in enumerate(layer_ops):
+        previous = layer_ops[position - 1] if position else None
+        for name, op in ops.ops():
+            if name == "attention_norm":
+                op = functools.partial(op, previous=previous)
+            sequence.append((name, ops.index, op))
+    sequence.append(("finish", layer_ops[-1].index, layer_ops[-1].finish))
+    return sequence
+
+
+def run_wavefront(runtime: DominoRuntime, sequence: list[tuple[str, int, Op]],
+                  chunks: list[ChunkState]) -> None:
+    """Run ``sequence`` on every chunk, chunk ``c`` lagging ``c`` ops behind chunk 0."""
+    recorder = runtime.recorder
+    for tick in range(len(sequence) + len(chunks) - 1):
+        for chunk in chunks:
+            position = tick - chunk.index
+            if 0 <= position < len(sequence):
+                name, layer, op = sequence[position]
+                with recorder.region(name, layer, chunk.index):
+                    op(chunk)
+
+
+def run_layers(runtime: DominoRuntime, layers, chunks: list[ChunkState],
+               attention_kwargs: dict) -> None:
+    """Run all ``layers`` on ``chunks`` (in place), one segment or one per layer."""
+    layer_ops = [LayerOps(runtime, layer, index, attention_kwargs) for index, layer in enumerate(layers)]
+    segments = [layer_ops] if runtime.config.inter_layer else [[ops] for ops in layer_ops]
+    for segment in segments:
+        run_wavefront(runtime, segment_ops(segment), chunks)

@@ -1,0 +1,125 @@
+"""Who owns Domino's in-flight work: a runtime per patched model, a step per forward call.
+
+Communication handles never live in module globals. :class:`DominoRuntime` belongs to the
+handle returned by ``apply_domino`` and is shared by the patched modules of one model;
+each forward of the transformer block creates a :class:`StepState` holding one
+:class:`ChunkState` per row chunk, and drops it when the forward returns, after checking
+that no forward collective is still in flight. Backward all-reduces are owned by the
+:class:`DgradReduceSlot` s the step created; ``last_step`` keeps them so callers (tests, the
+overlap report) can check that a backward left nothing pending.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_domino.backward_overlap import DgradReduceSlot
+from megatron_domino.collectives import CollectiveLabel, PendingReduce
+from megatron_domino.config import DominoConfig
+from megatron_domino.recorder import NULL_RECORDER, NullRecorder
+
+
+@dataclass
+class ChunkState:
+    """One row chunk's progress through the layer stack during one forward call.
+
+    Attributes:
+        index: chunk number ``c`` in ``0..p-1``; the chunk holds samples ``[c*b/p, (c+1)*b/p)``.
+        hidden: residual stream ``[s, b/p, h]`` after the last finished sub-layer.
+        attention_mask: this chunk's slice of the mask (or the shared broadcast mask).
+        attention_bias: this chunk's slice of the attention bias, if any.
+        residual: residual input of the sub-layer in progress ``[s, b/p, h]``.
+        linear_input: norm output ``[s, b/p, h]`` feeding the next column-parallel linear.
+        dgrad_slot: backward all-reduce slot for that column-parallel linear.
+        deferred_input: input of the row-parallel linear, captured while the core ran
+            (``[s, b/p, n/tp]``), so the GEMM can run in the next op.
+        pending: the row-parallel output whose all-reduce is in flight.
+        pending_bias: that linear's bias, returned separately (``skip_bias_add``).
+    """
+
+    index: int
+    hidden: torch.Tensor
+    attention_mask: torch.Tensor | None
+    attention_bias: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+    linear_input: torch.Tensor | None = None
+    dgrad_slot: DgradReduceSlot | None = None
+    deferred_input: torch.Tensor | None = None
+    pending: PendingReduce | None = None
+    pending_bias: torch.Tensor | None = None
+
+
+@dataclass
+class StepState:
+    """Everything one Domino forward call owns.
+
+    ``active`` is the chunk whose op is running, in sub-layer ``sublayer`` (``attention`` or
+    ``mlp``) of layer ``layer``; the patched linears act for it. During a core op the
+    row-parallel linear ``deferred_module`` only records its input; during a projection op
+    (``deferred_module`` unset) it runs its GEMM and launches its all-reduce.
+    """
+
+    chunks: list[ChunkState]
+    dgrad_slots: list[DgradReduceSlot] = field(default_factory=list)
+    active: ChunkState | None = None
+    layer: int = -1
+    sublayer: str = ""
+    deferred_module: torch.nn.Module | None = None
+
+    def label(self, suffix: str, recorder: NullRecorder) -> CollectiveLabel:
+        """Recorder label for the active chunk's collective, e.g. ``attention_ar``."""
+        return CollectiveLabel(f"{self.sublayer}_{suffix}", self.layer, self.active.index, recorder)
+
+    @property
+    def pending_forward(self) -> list[ChunkState]:
+        """Chunks with a forward collective still in flight."""
+        return [chunk for chunk in self.chunks if chunk.pending is not None and chunk.pending.in_flight]
+
+    @property
+    def pending_backward(self) -> list[DgradReduceSlot]:
+        """Backward all-reduces launched but not yet waited."""
+        return [slot for slot in self.dgrad_slots if slot.pending]
+
+
+class DominoRuntime:
+    """State shared by one model's patched modules: settings, group, recorder, current step."""
+
+    def __init__(self, config: DominoConfig, tp_group: dist.ProcessGroup,
+                 recorder: NullRecorder = NULL_RECORDER) -> None:
+        self.config = config
+        self.tp_group = tp_group
+        self.recorder = recorder
+        self.step: StepState | None = None
+        self.last_step: StepState | None = None
+
+    @contextlib.contextmanager
+    def new_step(self, chunks: list[ChunkState]):
+        """Run one forward call's schedule; on exit, check it drained and release its tensors."""
+        if self.step is not None:
+            raise RuntimeError("A Domino step is already running on this model (re-entrant forward).")
+        self.step = StepState(chunks=chunks)
+        try:
+            yield self.step
+            if self.step.pending_forward:
+                raise RuntimeError(
+                    f"Domino bug: {len(self.step.pending_forward)} forward collectives still in "
+                    "flight at the end of the transformer block.")
+        finally:
+            self.last_step, self.step = self.step, None
+            # The chunks hold activations: keep only the backward slots past this call.
+            self.last_step.chunks = []
+
+    @contextlib.contextmanager
+    def acting_for(self, chunk: ChunkState, layer: int, sublayer: str, *,
+                   defer: torch.nn.Module | None = None):
+        """Make ``chunk`` the one the patched linears act for during one op."""
+        step = self.step
+        step.active, step.layer, step.sublayer, step.deferred_module = chunk, layer, sublayer, defer
+        try:
+            yield
+        finally:
+            step.active, step.deferred_module = None, None
