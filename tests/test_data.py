@@ -5,6 +5,7 @@ Tiny corpora and small vocabularies keep this file to seconds; one test spawns t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -88,8 +89,23 @@ def tokenizer(prepared):
 def test_prepare_round_trip_is_exact(prepared, tokenizer):
     result, expected = prepared
     assert not result.reused
-    assert result.num_documents == len(expected)
     assert tokenizer.eod == result.eod
+    _assert_round_trip(result, expected, tokenizer)
+
+
+def test_unigram_round_trip_is_exact(tmp_path):
+    files, expected = _write_corpus(tmp_path)
+    settings = dataclasses.replace(SMALL, tokenizer_algorithm="unigram")
+    result = prepare(corpus=file_corpus(files), output_dir=tmp_path / "out", settings=settings)
+    tokenizer = build_tokenizer(
+        tokenizer_type="SentencePieceTokenizer", tokenizer_model=result.tokenizer_model
+    )
+    _assert_round_trip(result, expected, tokenizer)
+
+
+def _assert_round_trip(result, expected, tokenizer):
+    """One sequence per document, EOD last and only there, and decoding gives the text back."""
+    assert result.num_documents == len(expected)
     indexed = IndexedDataset(result.data_prefix)
     assert len(indexed) == len(expected)
     assert sum(len(indexed[i]) for i in range(len(indexed))) == result.num_tokens
@@ -123,6 +139,9 @@ def test_prepare_reuses_outputs_until_an_input_or_setting_changes(tmp_path, prep
     assert not trained.reused and not retrained.reused
     assert run(settings=SentencePieceSettings(vocab_size=400, seed=7)).reused
     assert not run(settings=SentencePieceSettings(vocab_size=400, seed=7), force=True).reused
+    own_model = out / "tokenizer.model"  # replaced by an identical copy on every rebuild
+    assert not run(tokenizer_model=own_model).reused
+    assert run(tokenizer_model=own_model).reused
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [MANIFEST_FILE, "tokenizer.model", f"{DATA_PREFIX_NAME}.bin", f"{DATA_PREFIX_NAME}.idx"]
     )
@@ -396,6 +415,7 @@ def _gloo_rank(rank: int, init_file: str, cache: str, model: str, prefix: str) -
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_build_once_and_read_the_same_batches(tmp_path, prepared):
     result, _ = prepared
     mp.spawn(

@@ -34,6 +34,9 @@ STDLIB_EXCLUDED_DIRS = frozenset(
 )
 
 
+#: Default size budget of :func:`stdlib_corpus`: prepares in seconds on two cores.
+STDLIB_DEFAULT_MAX_BYTES = 8_000_000
+
 #: Fixed, so that the demo corpus is the same on every run.
 STDLIB_SHUFFLE_SEED = 0
 
@@ -100,7 +103,7 @@ def file_corpus(paths: Sequence[str | os.PathLike], *, json_key: str = "text") -
     )
 
 
-def stdlib_corpus(*, max_bytes: int = 8_000_000) -> Corpus:
+def stdlib_corpus(*, max_bytes: int = STDLIB_DEFAULT_MAX_BYTES) -> Corpus:
     """A demo corpus that exists offline wherever Python does: the standard library's source.
 
     Takes the ``.py``, ``.txt`` and ``.rst`` files under ``sysconfig.get_paths()["stdlib"]``
@@ -115,13 +118,11 @@ def stdlib_corpus(*, max_bytes: int = 8_000_000) -> Corpus:
     if max_bytes <= 0:
         raise CorpusError(f"--stdlib-max-bytes must be positive, got {max_bytes}.")
     root = Path(sysconfig.get_paths()["stdlib"])
-    candidates = sorted(
-        path
-        for path in root.rglob("*")
-        if path.suffix in STDLIB_SUFFIXES
-        and path.is_file()
-        and not STDLIB_EXCLUDED_DIRS.intersection(path.relative_to(root).parts)
-    )
+    candidates = []
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in STDLIB_EXCLUDED_DIRS]
+        candidates.extend(Path(folder, name) for name in names if name.endswith(STDLIB_SUFFIXES))
+    candidates.sort()
     random.Random(STDLIB_SHUFFLE_SEED).shuffle(candidates)
     selected, stats, total = [], [], 0
     for path in candidates:

@@ -24,6 +24,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from megatron.core.datasets.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
 from megatron.core.datasets.utils import get_blend_from_list
 from megatron.core.tokenizers import MegatronTokenizer, MegatronTokenizerBase
+from torch.utils.data import Dataset
 
 from megatron_domino.data.files import (
     PREPARE_COMMAND,
@@ -123,7 +124,7 @@ def build_datasets(
     split: str = "949,50,1",
     mock_data: bool = False,
     eod_mask_loss: bool = False,
-) -> tuple[GPTDataset | None, GPTDataset | None, GPTDataset | None]:
+) -> tuple[Dataset | None, Dataset | None, Dataset | None]:
     """Build the train, valid and test datasets with ``BlendedMegatronDatasetBuilder``.
 
     Call on every rank, with ``torch.distributed`` initialised (any backend, e.g. gloo) or, in
@@ -140,16 +141,17 @@ def build_datasets(
             go into a subfolder named by a fingerprint of the ``.bin/.idx`` files, because
             Megatron-Core keys its cache by path, not content: re-preparing a corpus under the
             same prefix would otherwise reuse indices of the old one.
-        data_path: ``--data-path``: one prefix (a string or a one-item list), several prefixes (blended by size), or
-            alternating weights and prefixes (``["0.3", "a", "0.7", "b"]``). Not with
-            ``mock_data``.
+        data_path: ``--data-path``: one prefix (a string or a one-item list), several
+            prefixes (blended by size), or alternating weights and prefixes
+            (``["0.3", "a", "0.7", "b"]``). Not with ``mock_data``.
         split: ``--split``: relative train/valid/test weights of each prefix's documents
             (ignored with ``mock_data``, which splits evenly).
         mock_data: ``--mock-data``: Megatron's synthetic ``MockGPTDataset`` instead of files.
         eod_mask_loss: ``--eod-mask-loss``: no loss on predicting the token after an EOD.
 
     Returns:
-        ``(train, valid, test)``; a split with weight 0 in ``split`` is ``None``.
+        ``(train, valid, test)``: ``GPTDataset``, ``MockGPTDataset`` or, for several prefixes,
+        ``BlendedDataset``; a split with weight 0 in ``split`` is ``None``.
 
     Raises:
         DataConfigError: neither or both of ``data_path``/``mock_data``, a blend of several
@@ -170,7 +172,7 @@ def build_datasets(
             f"num_samples must be three counts >= 0 (train, valid, test), got {num_samples}."
         )
     if mock_data:
-        blend, cache_name = None, "mock"
+        blend, prefixes, cache_name = None, [], "mock"
     else:
         blend = get_blend_from_list(list(data_path))
         prefixes = blend[0]
@@ -194,9 +196,8 @@ def build_datasets(
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=False,
     )
-    if not mock_data:
-        for prefix in blend[0]:
-            _check_every_split_gets_documents(prefix, config.split_matrix, split)
+    for prefix in prefixes:
+        _check_every_split_gets_documents(prefix, config.split_matrix, split)
     builder = BlendedMegatronDatasetBuilder(
         MockGPTDataset if mock_data else GPTDataset,
         list(num_samples),
@@ -208,7 +209,7 @@ def build_datasets(
 
 
 def iterate_micro_batches(
-    dataset: torch.utils.data.Dataset,
+    dataset: Dataset,
     *,
     micro_batch_size: int,
     data_parallel_rank: int = 0,

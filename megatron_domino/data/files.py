@@ -56,6 +56,12 @@ def file_fingerprint(path: str | os.PathLike) -> dict[str, int | str]:
     return {"path": str(path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
+def content_digest(path: str | os.PathLike) -> str:
+    """SHA-256 hex digest of a (small) file's bytes, for inputs that get copied around, whose
+    modification times say nothing."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
 def digest(description: object) -> str:
     """A stable SHA-256 hex digest of a JSON-serialisable description (key order ignored)."""
     text = json.dumps(description, sort_keys=True, separators=(",", ":"))

@@ -38,11 +38,17 @@ from megatron.core.datasets.indexed_dataset import (
     get_idx_path,
 )
 
-from megatron_domino.data.corpus import Corpus, CorpusError, file_corpus, stdlib_corpus
+from megatron_domino.data.corpus import (
+    STDLIB_DEFAULT_MAX_BYTES,
+    Corpus,
+    CorpusError,
+    file_corpus,
+    stdlib_corpus,
+)
 from megatron_domino.data.files import (
     DataFileError,
+    content_digest,
     digest,
-    file_fingerprint,
     require_readable_file,
     staged_outputs,
 )
@@ -157,6 +163,9 @@ def prepare(
             defaults of :class:`SentencePieceSettings` if not given.
         num_threads: threads for SentencePiece training and encoding; all CPUs by default.
         force: rebuild even if the manifest says the outputs are current.
+
+    Call it from one process (e.g. rank 0, then a barrier): two runs publishing into the same
+    folder at once each stay consistent, but a reader may briefly find no manifest.
     """
     output_dir = Path(output_dir)
     settings = settings or SentencePieceSettings()
@@ -167,7 +176,7 @@ def prepare(
             what="--tokenizer-model",
             fix="Pass a SentencePiece .model file, or leave the flag out to train one.",
         )
-        tokenizer_source = {"model": file_fingerprint(tokenizer_model)}
+        tokenizer_source = {"model_sha256": content_digest(tokenizer_model)}
     else:
         tokenizer_source = {"train": dataclasses.asdict(settings)}
     key = digest(
@@ -396,28 +405,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-dir",
         required=True,
         type=Path,
+        metavar="DIR",
         help="Folder for tokenizer.model, text_document.bin/.idx and manifest.json.",
     )
     parser.add_argument(
         "--json-key",
         default="text",
+        metavar="KEY",
         help="Field of each JSONL object that holds the document text (default: %(default)s).",
     )
     parser.add_argument(
         "--stdlib-max-bytes",
         type=int,
-        default=8_000_000,
+        default=STDLIB_DEFAULT_MAX_BYTES,
+        metavar="N",
         help="Size budget of --stdlib-corpus in bytes (default: %(default)s).",
     )
     parser.add_argument(
         "--tokenizer-model",
         type=Path,
+        metavar="PATH",
         help="Use this existing SentencePiece model instead of training one (it is copied into "
         "--output-dir).",
     )
     parser.add_argument(
         "--vocab-size",
         type=int,
+        metavar="N",
         default=defaults.vocab_size,
         help="Tokenizer vocabulary size; an upper bound for small corpora (default: %(default)s).",
     )
@@ -430,18 +444,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--input-sentence-size",
         type=int,
+        metavar="N",
         default=defaults.input_sentence_size,
         help="Lines sampled from the corpus for tokenizer training (default: %(default)s).",
     )
     parser.add_argument(
         "--seed",
         type=int,
+        metavar="N",
         default=defaults.seed,
         help="Seed of the tokenizer's line sampling (default: %(default)s).",
     )
     parser.add_argument(
         "--workers",
         type=int,
+        metavar="N",
         default=os.cpu_count() or 1,
         help="Threads for tokenizer training and encoding (default: all CPUs, %(default)s).",
     )
