@@ -24,7 +24,6 @@ from megatron_domino.data.datasets import (
     build_datasets,
     build_tokenizer,
     iterate_micro_batches,
-    train_valid_test_num_samples,
 )
 from megatron_domino.data.files import DataFileError
 from megatron_domino.data.prepare import (
@@ -65,15 +64,12 @@ def _write_corpus(folder: Path) -> tuple[list[Path], list[str]]:
 
 
 @pytest.fixture(scope="module")
-def corpus_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("corpus")
-
-
-@pytest.fixture(scope="module")
-def prepared(corpus_dir):
-    files, expected = _write_corpus(corpus_dir / "inputs")
+def prepared(tmp_path_factory):
+    """The shared small corpus, prepared once: ``(PreparedData, expected documents)``."""
+    folder = tmp_path_factory.mktemp("corpus")
+    files, expected = _write_corpus(folder / "inputs")
     result = prepare(
-        corpus=file_corpus(files), output_dir=corpus_dir / "out", settings=SMALL, num_threads=2
+        corpus=file_corpus(files), output_dir=folder / "out", settings=SMALL, num_threads=2
     )
     return result, expected
 
@@ -159,13 +155,15 @@ def test_failed_prepare_leaves_earlier_outputs_untouched(tmp_path, prepared):
         prepare(corpus=file_corpus([bad]), output_dir=out, tokenizer_model=model)  # tokenising
     assert list(out.iterdir()) == []
 
-    before = prepare(corpus=file_corpus([good]), output_dir=out, tokenizer_model=model)
+    assert (
+        prepare(corpus=file_corpus([good]), output_dir=out, tokenizer_model=model).num_documents
+        == 1
+    )
     snapshot = {p.name: p.read_bytes() for p in out.iterdir()}
     with pytest.raises(CorpusError):
         prepare(corpus=file_corpus([good, bad]), output_dir=out, tokenizer_model=model)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == snapshot
     assert prepare(corpus=file_corpus([good]), output_dir=out, tokenizer_model=model).reused
-    assert before.num_documents == 1
 
 
 def test_missing_or_malformed_inputs_give_clear_errors(tmp_path, prepared, tokenizer):
@@ -246,10 +244,7 @@ def _first_batch(dataset, micro_batch_size=4):
 def test_datasets_from_prepared_data(tmp_path, prepared, tokenizer):
     result, _ = prepared
     seq = 32
-    num_samples = train_valid_test_num_samples(
-        train_iters=10, global_batch_size=4, eval_interval=5, eval_iters=2
-    )
-    assert num_samples == (40, 24, 8)
+    num_samples = (40, 24, 8)
     common = dict(tokenizer=tokenizer, sequence_length=seq, num_samples=num_samples, seed=3)
     train, valid, test = build_datasets(
         **common, path_to_cache=tmp_path / "cache", data_path=[result.data_prefix], split="8,1,1"

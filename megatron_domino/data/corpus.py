@@ -109,11 +109,11 @@ def stdlib_corpus(*, max_bytes: int = STDLIB_DEFAULT_MAX_BYTES) -> Corpus:
     Takes the ``.py``, ``.txt`` and ``.rst`` files under ``sysconfig.get_paths()["stdlib"]``
     (without the test suites, see :data:`STDLIB_EXCLUDED_DIRS`), shuffles their sorted list
     with a fixed seed so that the budget samples the whole library rather than its
-    alphabetically first packages, and keeps each file that still fits into ``max_bytes``. Each file is one
-    document. The selection is deterministic for a given Python installation.
+    alphabetically first packages, and keeps each file that still fits into ``max_bytes``.
+    Each file is one document. The selection is deterministic for a given installation.
 
     The default budget (8 MB, about 2.4 M tokens with an 8000-piece BPE vocabulary) prepares in
-    seconds on two cores; the whole library outside the tests is about 12-15 MB.
+    about 10 s on two cores; all of Python 3.11's library outside the tests is 12.3 MB.
     """
     if max_bytes <= 0:
         raise CorpusError(f"--stdlib-max-bytes must be positive, got {max_bytes}.")

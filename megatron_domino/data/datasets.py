@@ -97,22 +97,6 @@ def build_tokenizer(
     )
 
 
-def train_valid_test_num_samples(
-    *, train_iters: int, global_batch_size: int, eval_interval: int, eval_iters: int
-) -> tuple[int, int, int]:
-    """Samples each split must provide, computed as Megatron-LM's training loop does.
-
-    Validation runs ``eval_iters`` batches every ``eval_interval`` iterations and once at the
-    end; the test split is evaluated once.
-    """
-    valid_iters = (train_iters // eval_interval + 1) * eval_iters
-    return (
-        train_iters * global_batch_size,
-        valid_iters * global_batch_size,
-        eval_iters * global_batch_size,
-    )
-
-
 def build_datasets(
     *,
     tokenizer: MegatronTokenizerBase,
@@ -134,8 +118,8 @@ def build_datasets(
     Args:
         tokenizer: from :func:`build_tokenizer`; its ``eod`` marks document boundaries.
         sequence_length: tokens per sample (``--seq-length``).
-        num_samples: samples to draw for (train, valid, test), e.g. from
-            :func:`train_valid_test_num_samples`; a split is repeated in epochs if shorter.
+        num_samples: samples to draw for (train, valid, test), e.g. ``train_iters *
+            global_batch_size`` for train; a split shorter than that is repeated in epochs.
         seed: seed of the document and sample shuffles.
         path_to_cache: where GPTDataset caches its index files (``--data-cache-path``). They
             go into a subfolder named by a fingerprint of the ``.bin/.idx`` files, because
