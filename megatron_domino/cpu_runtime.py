@@ -22,9 +22,10 @@ those places to the CPU for the duration of a ``with`` block:
   the CPU, which covers all of them in one place.
 * **Synchronisation is a no-op.** ``torch.cuda.synchronize()`` is called by
   ``dist_checkpointing``'s async writer and finalize step, and by DDP.
-* **Gradient clipping accepts CPU gradients.** ``clip_grad_by_total_norm_fp32`` asserts
-  ``param.grad.type() == 'torch.cuda.FloatTensor'``; while it runs, ``Tensor.type()`` names
-  CPU tensors by their CUDA type.
+* **Type checks accept CPU tensors.** ``clip_grad_by_total_norm_fp32`` asserts
+  ``param.grad.type() == 'torch.cuda.FloatTensor'``, and the bf16 and distributed optimizers
+  sort parameters by ``param.type()`` into ``torch.cuda.*Tensor`` names; while those three
+  run (and only then), ``Tensor.type()`` names CPU tensors by their CUDA type.
 
 Each patch keeps the original object and restores it on exit, in reverse order, even when the
 block raises. Entering while a runtime is active raises: the patches are process-global and
@@ -36,14 +37,17 @@ ever active next to a real GPU: entering with CUDA available raises, and
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from megatron.core.optimizer import clip_grads as megatron_clip_grads
 from megatron.core.optimizer import optimizer as megatron_optimizer
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 from megatron.core.tensor_parallel import random as megatron_random
 from torch.overrides import TorchFunctionMode
 
@@ -80,8 +84,14 @@ class Patch:
 
     @contextlib.contextmanager
     def applied(self) -> Iterator[None]:
-        """Install the replacement; on exit put back exactly the object found on entry."""
-        original = getattr(self.owner, self.name)
+        """Install the replacement; on exit put back exactly the object found on entry.
+
+        Only attributes the owner defines itself are patched: restoring an inherited method
+        would leave a copy in the subclass instead of removing it.
+        """
+        if self.name not in vars(self.owner):
+            raise CpuRuntimeError(f"{self.owner!r} does not define {self.name!r} itself.")
+        original = vars(self.owner)[self.name]
         setattr(self.owner, self.name, self.replacement)
         try:
             yield
@@ -136,18 +146,26 @@ class _CudaTypeNames(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-_clip_grad_by_total_norm_fp32 = megatron_clip_grads.clip_grad_by_total_norm_fp32
+def _with_cuda_type_names(original: Callable) -> Callable:
+    """Wrap a Megatron function that checks ``Tensor.type()`` against CUDA type names.
 
-
-def _clip_grad_by_total_norm_fp32_on_cpu(*args, **kwargs):
-    """Megatron's ``clip_grad_by_total_norm_fp32``, with CPU fp32 gradients passing its check.
-
-    It asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``; with :class:`_CudaTypeNames`
-    active for the duration of the call, a CPU fp32 gradient reports exactly that, while any
-    other dtype still fails the assert as it would on a GPU.
+    While the wrapper runs, :class:`_CudaTypeNames` makes a CPU tensor report its CUDA type
+    (a CPU fp32 gradient is then ``torch.cuda.FloatTensor``), so the check passes for exactly
+    the dtypes it accepts on a GPU and still fails for the others. Outside these calls
+    ``Tensor.type()`` is left alone.
     """
-    with _CudaTypeNames():
-        return _clip_grad_by_total_norm_fp32(*args, **kwargs)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        with _CudaTypeNames():
+            return original(*args, **kwargs)
+
+    return wrapper
+
+
+_clip_grad_by_total_norm_fp32_on_cpu = _with_cuda_type_names(
+    megatron_clip_grads.clip_grad_by_total_norm_fp32
+)
 
 
 def _seed_cpu_generator(seed: int) -> None:
@@ -225,6 +243,18 @@ PATCHES: tuple[Patch, ...] = (
         "clip_grad_by_total_norm_fp32",
         _clip_grad_by_total_norm_fp32_on_cpu,
         "MegatronOptimizer.clip_grad_norm calls the name bound here at import.",
+    ),
+    Patch(
+        Float16OptimizerWithFloat16Params,
+        "__init__",
+        _with_cuda_type_names(Float16OptimizerWithFloat16Params.__init__),
+        "The bf16 optimizer sorts params by type() into torch.cuda.{BFloat16,Float}Tensor.",
+    ),
+    Patch(
+        DistributedOptimizer,
+        "__init__",
+        _with_cuda_type_names(DistributedOptimizer.__init__),
+        "The distributed optimizer sorts params by type() into torch.cuda.* tensor types.",
     ),
 )
 
