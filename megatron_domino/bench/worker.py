@@ -1,0 +1,152 @@
+"""One benchmark rank: time the arms side by side on the same model, weights and batch.
+
+Run under ``torchrun`` (the launcher in :mod:`megatron_domino.bench.__main__` does it inside a
+rate-limited network namespace). Every iteration runs each arm once, in an order that rotates
+from iteration to iteration so slow drift of the machine hits every arm alike. Forward
+(model + loss) and backward are timed separately, after a barrier, on every rank; the
+reported time of an iteration is the slowest rank's. Arms:
+
+* ``baseline``: unpatched Megatron-Core tensor parallelism.
+* ``domino``: the same model with ``apply_domino`` for each Domino setting.
+* ``oracle``: unpatched, every tensor-parallel collective a no-op.
+* ``domino_noop``: Domino with no-op collectives (the cost of chunking alone).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from megatron_domino.bench.noop_collectives import tp_collectives_skipped
+from megatron_domino.config import DominoConfig
+from megatron_domino.cpu_runtime import runtime_for_device
+from megatron_domino.distributed import destroy_distributed, init_distributed
+from megatron_domino.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
+from megatron_domino.integration import apply_domino
+from megatron_domino.overlap import collective_spans, summarize
+from megatron_domino.recorder import EventRecorder
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", required=True, help="JSON: model shape and Domino settings.")
+    parser.add_argument("--iters", type=int, default=10, help="Measured iterations per arm.")
+    parser.add_argument("--warmup", type=int, default=2, help="Unmeasured iterations per arm.")
+    parser.add_argument("--out", required=True, help="Where rank 0 writes the JSON result.")
+    return parser.parse_args(argv)
+
+
+def _batch(options: GPTOptions, micro_batch_size: int, device) -> dict:
+    generator = torch.Generator().manual_seed(0)
+    s = options.seq_length
+    tokens = torch.randint(0, options.vocab_size, (micro_batch_size, s), generator=generator)
+    return {
+        "input_ids": tokens.to(device),
+        "position_ids": torch.arange(s).expand(micro_batch_size, s).to(device),
+        "attention_mask": causal_attention_mask(s, device),
+        "labels": torch.roll(tokens, -1, dims=1).to(device),
+    }
+
+
+def _timed_step(model, batch) -> tuple[float, float]:
+    """Forward+loss and backward wall times of one micro-batch, slowest rank's."""
+    cuda = torch.cuda.is_available()
+    model.zero_grad(set_to_none=True)
+    dist.barrier()
+    start = time.perf_counter()
+    loss = model(**batch).float().mean()
+    if cuda:
+        torch.cuda.synchronize()
+    mid = time.perf_counter()
+    loss.backward()
+    if cuda:
+        torch.cuda.synchronize()
+    end = time.perf_counter()
+    times = torch.tensor([mid - start, end - mid], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX)
+    return float(times[0]), float(times[1])
+
+
+def _stats(samples: list[float]) -> dict:
+    return {"median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples)}
+
+
+def run_case(case: dict, iters: int, warmup: int) -> dict:
+    """Time every arm of ``case`` and return their statistics and the overlap evidence."""
+    options = GPTOptions(**case["model"])
+    micro_batch_size = case["micro_batch_size"]
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    model = build_gpt_model(options)
+    batch = _batch(options, micro_batch_size, device)
+    tp_group = model.decoder.layers[0].self_attention.linear_proj.tp_group
+    settings = {name: DominoConfig(**kw) for name, kw in case["domino"].items()}
+
+    def arm(domino: DominoConfig | None, skip_collectives: bool, recorder=None):
+        @contextlib.contextmanager
+        def context():
+            with contextlib.ExitStack() as stack:
+                if skip_collectives:
+                    stack.enter_context(tp_collectives_skipped(tp_group))
+                if domino is not None:
+                    kwargs = {"recorder": recorder} if recorder is not None else {}
+                    stack.enter_context(apply_domino(model, domino, **kwargs))
+                yield
+        return context
+
+    arms = {"baseline": arm(None, False), "oracle": arm(None, True)}
+    for name, config in settings.items():
+        arms[f"domino[{name}]"] = arm(config, False)
+        arms[f"domino_noop[{name}]"] = arm(config, True)
+
+    samples = {name: {"fwd": [], "bwd": [], "total": []} for name in arms}
+    names = list(arms)
+    for iteration in range(warmup + iters):
+        shift = iteration % len(names)
+        for name in names[shift:] + names[:shift]:
+            with arms[name]():
+                fwd, bwd = _timed_step(model, batch)
+            if iteration >= warmup:
+                samples[name]["fwd"].append(fwd)
+                samples[name]["bwd"].append(bwd)
+                samples[name]["total"].append(fwd + bwd)
+
+    overlap = {}
+    for name, config in settings.items():
+        recorder = EventRecorder()
+        with arm(config, False, recorder)():
+            _timed_step(model, batch)
+        spans = collective_spans(recorder.events())
+        overlap[name] = {
+            direction: asdict(summarize(spans, direction)) for direction in ("fwd", "bwd")
+        }
+    return {
+        "arms": {name: {part: _stats(v) for part, v in parts.items()} for name, parts in samples.items()},
+        "samples": samples,
+        "recorder_overlap": overlap,
+    }
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    case = json.loads(args.case)
+    torch.set_num_threads(case.get("threads_per_rank", 1))
+    with runtime_for_device():
+        init_distributed(case["tensor_model_parallel_size"], seed=1234)
+        try:
+            result = run_case(case, args.iters, args.warmup)
+            if dist.get_rank() == 0:
+                with open(args.out, "w") as out:
+                    json.dump({"case": case, **result}, out, indent=1)
+        finally:
+            destroy_distributed()
+
+
+if __name__ == "__main__":
+    main()
