@@ -1,0 +1,120 @@
+"""What Domino refuses, with which message; and that revert restores Megatron-Core exactly.
+
+Refusals are checked on a real TP = 2 model: each refused feature is switched on in the model's
+``TransformerConfig`` (the object Megatron-Core's modules read) and ``apply_domino`` must raise
+before touching anything, naming the feature.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multiproc import run_on_ranks
+from packaging.version import Version
+
+from megatron_domino.config import DominoConfig, DominoConfigError, DominoUnsupportedError
+from megatron_domino.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
+from megatron_domino.integration import apply_domino
+from megatron_domino.version import UnsupportedMegatronVersion, check_megatron_core_version
+
+OPTIONS = GPTOptions(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,
+                     vocab_size=300, attention_dropout=0.0, hidden_dropout=0.0)
+
+#: (TransformerConfig attribute, value that must be refused, words the message must contain)
+REFUSED = [
+    ("sequence_parallel", True, "sequence parallelism"),
+    ("tp_comm_overlap", True, "userbuffer"),
+    ("enable_cuda_graph", True, "CUDA graphs"),
+    ("cuda_graph_impl", "local", "CUDA graphs"),
+    ("recompute_granularity", "full", "activation recompute"),
+    ("overlap_moe_expert_parallel_comm", True, "combined-1F1B"),
+    ("fp8", "hybrid", "FP8"),
+    ("pipeline_model_parallel_size", 2, "pipeline parallelism"),
+]
+
+
+def _batch(micro_batch: int) -> dict:
+    s = OPTIONS.seq_length
+    tokens = torch.randint(0, OPTIONS.vocab_size, (micro_batch, s), generator=torch.Generator().manual_seed(0))
+    return dict(input_ids=tokens, position_ids=torch.arange(s).expand(micro_batch, s),
+                attention_mask=causal_attention_mask(s, "cpu"), labels=tokens)
+
+
+def _refusals_on_tp2() -> dict:
+    model = build_gpt_model(OPTIONS)
+    config = model.config
+    messages = {}
+    for name, value, _ in REFUSED:
+        original = getattr(config, name)
+        setattr(config, name, value)
+        try:
+            with pytest.raises(DominoUnsupportedError) as error:
+                apply_domino(model, DominoConfig(chunks=2))
+            messages[name] = str(error.value)
+        finally:
+            setattr(config, name, original)
+        assert not any("forward" in vars(m) for m in model.modules()), "a refused apply patched something"
+
+    with pytest.raises(DominoUnsupportedError) as error:
+        apply_domino(model, DominoConfig(chunks=1, column_chunks=3))
+    messages["column_chunks"] = str(error.value)
+
+    handle = apply_domino(model, DominoConfig(chunks=4))
+    with pytest.raises(RuntimeError, match="already applied"):
+        apply_domino(model, DominoConfig(chunks=2))
+    with pytest.raises(DominoConfigError, match="not divisible by --domino-chunks 4"):
+        model(**_batch(micro_batch=2))
+    handle.revert()
+    with pytest.raises(RuntimeError, match="already reverted"):
+        handle.revert()
+    return messages
+
+
+def test_refused_features_name_the_reason():
+    messages = run_on_ranks(_refusals_on_tp2, 2)[0]
+    for name, _, words in REFUSED:
+        assert words in messages[name], (name, messages[name])
+    assert "--domino-column-chunks 3" in messages["column_chunks"]
+
+
+def _refusal_at_tp1() -> str:
+    with pytest.raises(DominoUnsupportedError) as error:
+        apply_domino(build_gpt_model(OPTIONS), DominoConfig(chunks=2))
+    return str(error.value)
+
+
+def test_tensor_parallel_size_one_is_refused():
+    message = run_on_ranks(_refusal_at_tp1, 1)[0]
+    assert "tensor-model-parallel size is 1" in message
+
+
+def _stock_results(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch)
+    loss.mean().backward()
+    return [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+
+
+def _revert_restores_stock() -> bool:
+    model = build_gpt_model(OPTIONS)
+    batch = _batch(micro_batch=2)
+    forwards = {name: type(m).forward for name, m in model.named_modules()}
+    before = _stock_results(model, batch)
+    with apply_domino(model, DominoConfig(chunks=2, column_chunks=2)):
+        _stock_results(model, batch)
+    assert not any("forward" in vars(m) for m in model.modules())
+    assert forwards == {name: type(m).forward for name, m in model.named_modules()}
+    after = _stock_results(model, batch)
+    return all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_revert_restores_stock_behaviour_bit_for_bit():
+    assert all(run_on_ranks(_revert_restores_stock, 2))
+
+
+def test_untested_megatron_version_is_refused():
+    with pytest.raises(UnsupportedMegatronVersion, match="megatron-core 0.15.0 is installed"):
+        check_megatron_core_version(Version("0.15.0"))
+    with pytest.raises(UnsupportedMegatronVersion, match="0.19.0"):
+        check_megatron_core_version(Version("0.19.0"))
+    assert check_megatron_core_version() >= Version("0.16.1")
