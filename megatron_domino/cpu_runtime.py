@@ -28,7 +28,8 @@ those places to the CPU for the duration of a ``with`` block:
   run (and only then), ``Tensor.type()`` names CPU tensors by their CUDA type.
 
 Each patch keeps the original object and restores it on exit, in reverse order, even when the
-block raises. Entering while a runtime is active raises: the patches are process-global and
+block raises. The attribute patches are process-wide; the device mode, like every PyTorch
+function mode, applies to the thread that entered the runtime (CPU autograd runs there too). Entering while a runtime is active raises: the patches are process-global and
 applying them twice would make the second exit restore patched objects. Nothing of this is
 ever active next to a real GPU: entering with CUDA available raises, and
 :func:`runtime_for_device` returns a null context there.
@@ -71,7 +72,7 @@ class Patch:
     """One attribute of Megatron-Core or ``torch.cuda`` replaced while the runtime is active.
 
     Attributes:
-        owner: the module whose attribute is replaced.
+        owner: the module or class whose attribute is replaced.
         name: the attribute's name.
         replacement: what the attribute is while the runtime is active.
         why: one line on which Megatron-Core code needs it.

@@ -9,6 +9,7 @@ parallel state down again.
 
 The function and its arguments must be picklable: a module-level function of an importable
 module (a test module is fine). Return values travel back by plain pickling, tensors included.
+Each rank runs with one intra-op and one inter-op thread, so N ranks share the cores fairly.
 """
 
 from __future__ import annotations
@@ -19,14 +20,16 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-#: Long enough for 4 ranks to import Megatron-Core and run a tiny model on 2 cores.
-DEFAULT_TIMEOUT_S = 120.0
+#: Long enough for 4 ranks to import Megatron-Core and run a tiny model on 2 busy cores.
+DEFAULT_TIMEOUT_S = 180.0
+#: How often the parent looks for crashed ranks and the deadline while it waits for results.
+_POLL_S = 1.0
 
 
 class RemoteTraceback(Exception):
@@ -107,8 +110,9 @@ def run_on_ranks(
         ``[result of rank 0, result of rank 1, ...]``.
     Raises:
         The first failing rank's exception (or a RuntimeError when it cannot be unpickled),
-        with the rank's traceback attached as ``__cause__``. TimeoutError when some rank has
-        not finished within ``timeout_s``.
+        with the rank's traceback attached as ``__cause__``. RuntimeError when a rank died
+        without reporting (a crash or a kill). TimeoutError when some rank has not finished
+        within ``timeout_s``. In every case all ranks are gone when it returns or raises.
     """
     tp = world_size if tensor_model_parallel_size is None else tensor_model_parallel_size
     ctx = mp.get_context("spawn")
@@ -129,17 +133,13 @@ def run_on_ranks(
     finished = False
     try:
         while len(outputs) < world_size:
-            remaining = deadline - time.monotonic()
             try:
-                status, rank, payload = results.get(timeout=max(remaining, 0.0))
+                status, rank, payload = results.get(timeout=_POLL_S)
             except queue.Empty:
-                missing = sorted(set(range(world_size)) - outputs.keys())
-                raise TimeoutError(
-                    f"ranks {missing} of {world_size} did not finish within {timeout_s:.0f} s "
-                    "(a hung collective?); all ranks were killed."
-                ) from None
+                _check_progress(processes, outputs.keys(), deadline, timeout_s)
+                continue
             if status == "error":
-                _reraise(rank, world_size, *payload)
+                _reraise(rank, processes, *payload)
             outputs[rank] = pickle.loads(payload)
         finished = True
     finally:
@@ -152,7 +152,29 @@ def run_on_ranks(
     return [outputs[rank] for rank in range(world_size)]
 
 
-def _reraise(rank: int, world_size: int, pickled: bytes | None, remote_tb: str) -> None:
+def _check_progress(
+    processes: Sequence[mp.Process], reported: Collection[int], deadline: float, timeout_s: float
+) -> None:
+    """Raise if a rank died without reporting (a crash, a kill) or the time is up."""
+    for rank, process in enumerate(processes):
+        # A rank that reports exits with code 0, so a non-zero code means it never will.
+        if rank not in reported and process.exitcode not in (None, 0):
+            raise RuntimeError(
+                f"rank {rank} of {len(processes)} died with exit code {process.exitcode} "
+                "without reporting (negative: killed by that signal); all ranks were killed."
+            )
+    if time.monotonic() > deadline:
+        missing = sorted(set(range(len(processes))) - set(reported))
+        raise TimeoutError(
+            f"ranks {missing} of {len(processes)} did not finish within {timeout_s:.0f} s "
+            "(a hung collective?); all ranks were killed."
+        )
+
+
+def _reraise(
+    rank: int, processes: Sequence[mp.Process], pickled: bytes | None, remote_tb: str
+) -> None:
+    world_size = len(processes)
     try:
         exc = pickle.loads(pickled) if pickled is not None else None
     except Exception:
@@ -160,4 +182,8 @@ def _reraise(rank: int, world_size: int, pickled: bytes | None, remote_tb: str) 
     if not isinstance(exc, BaseException):
         exc = RuntimeError(f"rank {rank} of {world_size} failed (exception not picklable)")
     exc.add_note(f"raised on rank {rank} of {world_size}; its traceback is the cause above")
+    # A peer that crashed shows up here only as a broken connection: name the root cause.
+    for other, process in enumerate(processes):
+        if process.exitcode not in (None, 0):
+            exc.add_note(f"rank {other} had died with exit code {process.exitcode}")
     raise exc from RemoteTraceback(f"\n--- rank {rank} ---\n{remote_tb}")

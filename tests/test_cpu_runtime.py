@@ -175,7 +175,9 @@ def _optimizer_step(bf16: bool, distributed_optimizer: bool, lr: float, clip_gra
     )
     before = [param.detach().float().clone() for param in model.parameters()]
     s = options.seq_length
-    tokens = torch.randint(0, options.vocab_size, (2, s), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(
+        0, options.vocab_size, (2, s), generator=torch.Generator().manual_seed(0)
+    )
     loss = ddp(tokens, torch.arange(s).expand(2, s), causal_attention_mask(s, "cpu"), labels=tokens)
     loss.float().mean().backward()
     ddp.finish_grad_sync()
@@ -184,7 +186,7 @@ def _optimizer_step(bf16: bool, distributed_optimizer: bool, lr: float, clip_gra
 
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     squared = torch.zeros(())
-    for old, param in zip(before, model.parameters()):
+    for old, param in zip(before, model.parameters(), strict=True):
         if getattr(param, "tensor_model_parallel", False) or tp_rank == 0:
             squared += (param.detach().float() - old).square().sum()
     torch.distributed.all_reduce(squared, group=parallel_state.get_tensor_model_parallel_group())
