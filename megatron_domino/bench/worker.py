@@ -74,6 +74,27 @@ def _timed_step(model, batch) -> tuple[float, float]:
     return float(times[0]), float(times[1])
 
 
+def _peak_memory_bytes(model, batch) -> int:
+    """Peak memory of one forward+backward: the CUDA allocator's peak on GPU; on the CPU the
+    bytes of distinct storages autograd saved for backward (the activations), which is what
+    chunking could change."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        _timed_step(model, batch)
+        return torch.cuda.max_memory_allocated()
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        _timed_step(model, batch)
+    return sum(storages.values())
+
+
 def _stats(samples: list[float]) -> dict:
     return {"median_s": statistics.median(samples), "min_s": min(samples), "max_s": max(samples)}
 
@@ -107,7 +128,11 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
 
     samples = {name: {"fwd": [], "bwd": [], "total": []} for name in arms}
     names = list(arms)
+    rank0 = dist.get_rank() == 0
     for iteration in range(warmup + iters):
+        if rank0:
+            print(f"  iteration {iteration + 1}/{warmup + iters} ({len(names)} arms)"
+                  f"{' [warm-up]' if iteration < warmup else ''}", flush=True)
         shift = iteration % len(names)
         for name in names[shift:] + names[:shift]:
             with arms[name]():
@@ -117,19 +142,28 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
                 samples[name]["bwd"].append(bwd)
                 samples[name]["total"].append(fwd + bwd)
 
-    overlap = {}
+    overlap, timelines = {}, {}
     for name, config in settings.items():
         recorder = EventRecorder()
         with arm(config, False, recorder)():
             _timed_step(model, batch)
-        spans = collective_spans(recorder.events())
+        events = recorder.events()
+        spans = collective_spans(events)
         overlap[name] = {
             direction: asdict(summarize(spans, direction)) for direction in ("fwd", "bwd")
         }
+        timelines[name] = [asdict(event) for event in events]
+    memory_arms = ["baseline"] + [f"domino[{name}]" for name in settings]
+    peak_memory = {}
+    for name in memory_arms:
+        with arms[name]():
+            peak_memory[name] = _peak_memory_bytes(model, batch)
     return {
         "arms": {name: {part: _stats(v) for part, v in parts.items()} for name, parts in samples.items()},
         "samples": samples,
         "recorder_overlap": overlap,
+        "timelines": timelines,
+        "peak_memory_bytes": peak_memory,
     }
 
 
