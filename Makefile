@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo lint clean
+.PHONY: install test demo bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) -m megatron_domino.demo
+
+# make bench QUICK=1: one shape, two settings, under 5 minutes.
+bench: $(STAMP)
+	$(PY) -m megatron_domino.bench $(if $(QUICK),--quick) $(BENCH_ARGS)
 
 lint: $(STAMP)
 	$(PY) -m ruff check megatron_domino tests pretrain_gpt_domino.py examples
