@@ -132,3 +132,14 @@ def test_parse_args_exits_with_the_reason_and_usage(capsys):
 def test_every_flag_has_help():
     for action in build_parser()._actions:
         assert action.help, f"{action.option_strings} has no help"
+
+
+def test_an_invalid_run_writes_nothing(tmp_path, capsys):
+    from megatron_domino.training.pretrain import pretrain
+
+    outputs = ["--save", str(tmp_path / "ckpt"), "--log-json", str(tmp_path / "log.jsonl")]
+    outputs += ["--data-cache-path", str(tmp_path / "cache")]
+    with pytest.raises(SystemExit):
+        pretrain([*BASE, *outputs, "--global-batch-size", "3"])
+    assert "--global-batch-size 3 is not divisible" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

@@ -13,17 +13,29 @@ written only after every rank has finished saving.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
-from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer import DistributedOptimizer, MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+#: How model and optimizer describe their shards; Megatron-LM's defaults for the torch_dist
+#: format. The distributed optimizer's own default layout (``fully_sharded_model_space``) is
+#: deprecated and fails to save in Megatron-Core 0.16; ``dp_reshardable`` stores each DP
+#: rank's contiguous buffers as they are, resumable at any DP size with the same TP size.
+SHARDING_METADATA = {
+    "distrib_optim_sharding_type": "dp_reshardable",
+    "singleton_local_shards": False,
+    "chained_optim_avoid_prefix": True,
+}
 
 
 class CheckpointError(RuntimeError):
@@ -73,6 +85,7 @@ def save_checkpoint(
     return path
 
 
+@torch.no_grad()
 def load_checkpoint(
     root: str,
     *,
@@ -88,6 +101,9 @@ def load_checkpoint(
     Returns:
         The iteration the checkpoint was taken after, or 0 when ``root`` holds no checkpoint
         and ``iteration`` was not given (training then starts from scratch).
+
+    Runs without autograd: the distributed optimizer copies fp32 parameters in place through
+    views of the model's parameters, which autograd refuses for leaves that require grad.
     """
     if iteration is None:
         iteration = latest_iteration(root)
@@ -98,13 +114,45 @@ def load_checkpoint(
         raise CheckpointError(
             f"--load {root}: no checkpoint for iteration {iteration} ({path} does not exist)."
         )
-    template = _sharded_state_dict(model, optimizer, scheduler, iteration, is_loading=True)
-    state = dist_checkpointing.load(template, path)
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    with _torch_adam_distributed_optimizer_loadable(optimizer):
+        template = _sharded_state_dict(model, optimizer, scheduler, iteration, is_loading=True)
+        state = dist_checkpointing.load(template, path)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["opt_param_scheduler"])
     _restore_rng_state(state["rng_state"])
     return state["iteration"]
+
+
+@contextlib.contextmanager
+def _torch_adam_distributed_optimizer_loadable(optimizer: MegatronOptimizer) -> Iterator[None]:
+    """Work around Megatron-Core 0.16 loading a ``DistributedOptimizer`` over torch's Adam.
+
+    That is the path without Transformer Engine or Apex, so every CPU run; it has two faults:
+
+    * ``DistributedOptimizer.state_dict()`` reads each parameter's ``step`` from the inner
+      Adam, which creates it only at its first step, so a fresh optimizer cannot even build
+      the loading template. Megatron-Core's own remedy elsewhere (its fully-reshardable
+      format) is one step with zero gradients; the checkpoint then overwrites what it changed.
+    * Loading copies the template's non-persistent ``step`` over the restored one and leaves
+      one step tensor shared by all parameters, which Adam then increments once per parameter.
+      The checkpointed step survives in the param groups; each parameter gets its own copy.
+    """
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    torch_adams = [
+        inner
+        for inner in chained
+        if isinstance(inner, DistributedOptimizer) and isinstance(inner.optimizer, torch.optim.Adam)
+    ]
+    for inner in torch_adams:
+        if not inner.optimizer.state:
+            inner._init_optimizer_states_with_dummy_values()
+    yield
+    for inner in torch_adams:
+        for group in inner.optimizer.param_groups:
+            for param in group["params"]:
+                step = torch.tensor(float(group["step"]), dtype=torch.float32)
+                inner.optimizer.state[param]["step"] = step
 
 
 def _sharded_state_dict(
@@ -116,11 +164,13 @@ def _sharded_state_dict(
     is_loading: bool,
 ) -> dict:
     """The checkpoint's layout: sharded model and optimizer, common scheduler and iteration."""
-    model_state = model.sharded_state_dict()
+    model_state = model.sharded_state_dict(metadata=dict(SHARDING_METADATA))
     return {
         "iteration": iteration,
         "model": model_state,
-        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+        "optimizer": optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=dict(SHARDING_METADATA)
+        ),
         "opt_param_scheduler": scheduler.state_dict(),
         "rng_state": _rng_state(),
     }
