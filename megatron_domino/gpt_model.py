@@ -51,7 +51,7 @@ class GPTOptionsError(ValueError):
 def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
     """``vocab_size`` rounded up to a multiple of ``128 * TP``, as Megatron-LM pads it."""
     multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tensor_model_parallel_size
-    return -(-vocab_size // multiple) * multiple
+    return (vocab_size + multiple - 1) // multiple * multiple
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,9 +105,14 @@ class GPTOptions:
     CPU, and the one Domino patches) or Transformer Engine's."""
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        for name in (
+            "num_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "seq_length",
+            "vocab_size",
+        ):
             _require_positive(name, getattr(self, name))
-        _require_positive("vocab_size", self.vocab_size)
         for name in ("ffn_hidden_size", "num_query_groups", "max_position_embeddings"):
             if getattr(self, name) is not None:
                 _require_positive(name, getattr(self, name))
