@@ -353,8 +353,9 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--log-json",
         default=None,
-        help="Append one JSON object per iteration (loss, lr, grad norm, timings) and per "
-        "evaluation to this file, for tests and benchmarks to compare runs.",
+        help="Write one JSON object per iteration (loss, lr, grad norm, timings) and per "
+        "evaluation to this file, for tests and benchmarks to compare runs; a run resumed "
+        "from a checkpoint appends to it.",
     )
 
 

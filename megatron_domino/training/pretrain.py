@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 from collections.abc import Sequence
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel as DDP
 from megatron.core.distributed import DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.tokenizers import MegatronTokenizerBase
 from megatron.core.transformer.module import Float16Module
+from torch.utils.data import Dataset
 
 from megatron_domino.config import DominoConfig
 from megatron_domino.cpu_runtime import runtime_for_device
@@ -70,19 +73,7 @@ def _run(args: argparse.Namespace) -> RunSummary:
     model = build_gpt_model(options).to(device)
     domino = DominoConfig.from_args(args)
     with _domino_applied(model, domino):
-        wrapped = DDP(
-            config=model.config,
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=args.bf16,
-                overlap_grad_reduce=args.overlap_grad_reduce,
-                use_distributed_optimizer=args.use_distributed_optimizer,
-            ),
-            module=Float16Module(model.config, model) if args.bf16 else model,
-        )
-        optimizer = get_megatron_optimizer(_optimizer_config(args), [wrapped])
-        scheduler = _scheduler(args, optimizer, layout.global_batch_size)
-        _wire_training_hooks(model, wrapped, optimizer, overlap=args.overlap_grad_reduce)
-
+        wrapped, optimizer, scheduler = _wrap_for_training(args, model, layout)
         start = 0
         if args.load is not None:
             start = load_checkpoint(
@@ -92,30 +83,15 @@ def _run(args: argparse.Namespace) -> RunSummary:
                 scheduler=scheduler,
                 iteration=args.ckpt_step,
             )
-        reporter = _reporter(args, layout, options)
+        reporter = _reporter(args, layout, options, resumed=start > 0)
         reporter.print(_banner(args, layout, domino, model, start))
-
-        evaluates = args.eval_interval is not None and args.eval_iters > 0
-        train_data, valid_data, _ = build_datasets(
-            tokenizer=tokenizer,
-            sequence_length=args.seq_length,
-            num_samples=(
-                args.train_iters * layout.global_batch_size,
-                args.eval_iters * layout.global_batch_size if evaluates else 0,
-                0,
-            ),
-            seed=args.seed,
-            path_to_cache=data_cache_path(args),
-            data_path=args.data_path,
-            split=args.split,
-            mock_data=args.mock_data,
-            eod_mask_loss=args.eod_mask_loss,
+        train_data, valid_data = _datasets(args, tokenizer, layout)
+        micro_batches = functools.partial(
+            iterate_micro_batches,
+            micro_batch_size=args.micro_batch_size,
+            data_parallel_rank=parallel_state.get_data_parallel_rank(),
+            data_parallel_size=layout.data_parallel_size,
         )
-        dp = {
-            "micro_batch_size": args.micro_batch_size,
-            "data_parallel_rank": parallel_state.get_data_parallel_rank(),
-            "data_parallel_size": layout.data_parallel_size,
-        }
         trainer = Trainer(
             model=wrapped,
             optimizer=optimizer,
@@ -141,16 +117,60 @@ def _run(args: argparse.Namespace) -> RunSummary:
             reporter,
             first_iteration=start + 1,
             train_iters=args.train_iters,
-            train_batches=iterate_micro_batches(
-                train_data, consumed_samples=start * layout.global_batch_size, **dp
+            train_batches=micro_batches(
+                train_data, consumed_samples=start * layout.global_batch_size
             ),
             eval_interval=args.eval_interval,
             eval_iters=args.eval_iters,
-            valid_batches=lambda: iterate_micro_batches(valid_data, **dp),
+            valid_batches=lambda: micro_batches(valid_data),
             save_interval=args.save_interval,
             save=save if args.save is not None else None,
         )
         return reporter.finish()
+
+
+def _wrap_for_training(
+    args: argparse.Namespace, model: torch.nn.Module, layout: Layout
+) -> tuple[DDP, MegatronOptimizer, OptimizerParamScheduler]:
+    """Megatron-Core's DDP around the model (bf16 via ``Float16Module``), its optimizer and
+    learning-rate scheduler, and the schedule's hooks connecting them."""
+    wrapped = DDP(
+        config=model.config,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=args.bf16,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        ),
+        module=Float16Module(model.config, model) if args.bf16 else model,
+    )
+    optimizer = get_megatron_optimizer(_optimizer_config(args), [wrapped])
+    scheduler = _scheduler(args, optimizer, layout.global_batch_size)
+    _wire_training_hooks(model, wrapped, optimizer, overlap=args.overlap_grad_reduce)
+    return wrapped, optimizer, scheduler
+
+
+def _datasets(
+    args: argparse.Namespace, tokenizer: MegatronTokenizerBase, layout: Layout
+) -> tuple[Dataset, Dataset | None]:
+    """Train and validation datasets sized for this run (validation: one evaluation's worth,
+    since every evaluation reads the same batches)."""
+    evaluates = args.eval_interval is not None and args.eval_iters > 0
+    train_data, valid_data, _ = build_datasets(
+        tokenizer=tokenizer,
+        sequence_length=args.seq_length,
+        num_samples=(
+            args.train_iters * layout.global_batch_size,
+            args.eval_iters * layout.global_batch_size if evaluates else 0,
+            0,
+        ),
+        seed=args.seed,
+        path_to_cache=data_cache_path(args),
+        data_path=args.data_path,
+        split=args.split,
+        mock_data=args.mock_data,
+        eod_mask_loss=args.eod_mask_loss,
+    )
+    return train_data, valid_data
 
 
 def _device() -> torch.device:
@@ -191,7 +211,7 @@ def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
 
 
 def _scheduler(
-    args: argparse.Namespace, optimizer, global_batch_size: int
+    args: argparse.Namespace, optimizer: MegatronOptimizer, global_batch_size: int
 ) -> OptimizerParamScheduler:
     """Megatron-LM's iteration-based schedule, counted in samples as it counts it."""
     return OptimizerParamScheduler(
@@ -209,7 +229,9 @@ def _scheduler(
     )
 
 
-def _wire_training_hooks(model, wrapped: DDP, optimizer, *, overlap: bool) -> None:
+def _wire_training_hooks(
+    model: torch.nn.Module, wrapped: DDP, optimizer: MegatronOptimizer, *, overlap: bool
+) -> None:
     """Point the schedule's hooks on the model config at DDP and the optimizer.
 
     ``get_forward_backward_func`` reads them from the config: the loss scale (bf16/fp16),
@@ -223,7 +245,9 @@ def _wire_training_hooks(model, wrapped: DDP, optimizer, *, overlap: bool) -> No
         config.no_sync_func = wrapped.no_sync
 
 
-def _reporter(args: argparse.Namespace, layout: Layout, options: GPTOptions) -> Reporter:
+def _reporter(
+    args: argparse.Namespace, layout: Layout, options: GPTOptions, *, resumed: bool
+) -> Reporter:
     flops = gpt_training_flops(
         batch_size=layout.global_batch_size,
         seq_length=args.seq_length,
@@ -244,6 +268,7 @@ def _reporter(args: argparse.Namespace, layout: Layout, options: GPTOptions) -> 
         log_interval=args.log_interval,
         log_throughput=args.log_throughput,
         log_json=args.log_json,
+        resumed=resumed,
         tensorboard_dir=args.tensorboard_dir,
         enabled=torch.distributed.get_rank() == 0,
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from dataclasses import asdict, dataclass, field
 
@@ -64,7 +65,8 @@ class Reporter:
         train_iters: the final iteration, shown as ``iteration i/N``.
         log_interval: iterations per printed line.
         log_throughput: add tokens/s and TFLOP/s/GPU to printed lines.
-        log_json: path of the JSON-lines file (appended to, so a resumed run continues it).
+        log_json: path of the JSON-lines file.
+        resumed: the run continues a checkpoint, so ``log_json`` is appended to, not replaced.
         tensorboard_dir: TensorBoard log directory.
         enabled: False on every rank but the one that reports.
     """
@@ -79,6 +81,7 @@ class Reporter:
         log_interval: int,
         log_throughput: bool,
         log_json: str | None,
+        resumed: bool,
         tensorboard_dir: str | None,
         enabled: bool,
     ) -> None:
@@ -92,7 +95,10 @@ class Reporter:
         self._pending: list[StepRecord] = []
         self._steps: list[StepRecord] = []
         self.summary = RunSummary(log_json=log_json, tensorboard_dir=tensorboard_dir)
-        self._json = open(log_json, "a", encoding="utf-8") if enabled and log_json else None
+        self._json = None
+        if enabled and log_json:
+            os.makedirs(os.path.dirname(os.path.abspath(log_json)), exist_ok=True)
+            self._json = open(log_json, "a" if resumed else "w", encoding="utf-8")
         self._tensorboard = None
         if enabled and tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
@@ -149,7 +155,7 @@ class Reporter:
             line += (
                 f" tokens/s: {self._tokens / seconds:.0f} |"
                 f" throughput per GPU (TFLOP/s/GPU): "
-                f"{tflops_per_gpu(self._flops, seconds, self._world_size):.3f} |"
+                f"{tflops_per_gpu(self._flops, seconds, self._world_size):.3g} |"
             )
         line += (
             f" learning rate: {last.learning_rate:.6E} |"
@@ -206,7 +212,7 @@ class Reporter:
             )
             lines.append(
                 f"  throughput: {summary.tokens_per_s:.0f} tokens/s, "
-                f"{summary.tflops_per_gpu:.3f} TFLOP/s/GPU (median, warm-up iteration excluded)"
+                f"{summary.tflops_per_gpu:.3g} TFLOP/s/GPU (median, warm-up iteration excluded)"
             )
         if summary.validation_losses:
             last = max(summary.validation_losses)
