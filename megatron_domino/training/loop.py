@@ -42,6 +42,8 @@ class StepShape:
 
 @dataclass(frozen=True)
 class StepResult:
+    """What one optimizer step measured (see :class:`~.reporting.StepRecord`)."""
+
     loss: float
     learning_rate: float
     grad_norm: float | None
@@ -52,8 +54,9 @@ class StepResult:
 def _loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     """Megatron-LM's GPT loss: masked sum, token count, and both for cross-rank reporting.
 
-    Returning the count lets the schedule divide by the number of tokens of the micro-batch
-    and by the number of micro-batches, so gradients are those of the per-token mean.
+    Returning the count lets the schedule divide the sum by the micro-batch's token count and
+    by the number of micro-batches: the gradient is that of the micro-batches' mean per-token
+    loss, as in Megatron-LM without ``--calculate-per-token-loss``.
     """
     mask = loss_mask.view(-1).float()
     loss = torch.sum(per_token_loss.view(-1).float() * mask)
