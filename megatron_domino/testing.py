@@ -47,7 +47,7 @@ def shard_tensor(
             f"blocks (stride {stride} x TP {world_size})."
         )
     chunks = torch.chunk(full, blocks, dim=dim)
-    return torch.cat(chunks[rank::world_size], dim=dim).clone()
+    return torch.cat(chunks[rank::world_size], dim=dim)
 
 
 def shard_like(

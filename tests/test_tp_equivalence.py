@@ -79,8 +79,7 @@ def _forward_backward(model: torch.nn.Module, options: GPTOptions):
 def _reference(options: GPTOptions):
     """On one rank (TP = 1): the full weights and what they compute."""
     model = build_gpt_model(options)
-    state = {name: value for name, value in model.state_dict().items()}
-    return (state, *_forward_backward(model, options))
+    return (model.state_dict(), *_forward_backward(model, options))
 
 
 def _check_tensor_parallel_rank(options: GPTOptions, reference) -> int:
