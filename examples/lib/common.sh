@@ -1,0 +1,384 @@
+# shellcheck shell=bash
+# The machinery shared by the launch recipes (pretrain_gpt_srun.sh, pretrain_gpt_torchrun.sh,
+# ab_compare.sh); sourced, never run. A recipe calls, in this order:
+#
+#   recipe_setup STYLE         STYLE = srun | torchrun | local: defaults, model config, layout
+#   recipe_pretrain_args D DIR PRETRAIN_ARGS for one run; D = 1 adds the DOMINO_ARGS group,
+#                              DIR receives log.jsonl (and train.log, written by recipe_run)
+#   recipe_launcher            LAUNCH_CMD: the launcher and python, for STYLE
+#   recipe_run LABEL LOG       print the resolved command; run it unless DRY_RUN=1
+#
+# Every knob is an environment variable with a default (examples/README.md lists them). The
+# model's shape comes from examples/models/<MODEL>.env (KEY=VALUE data, read by
+# recipe_read_model, never sourced). Flags are pretrain_gpt_domino.py's (Megatron-LM's names).
+
+#: This checkout: examples/ and the repository root, found from this file's own location.
+RECIPE_EXAMPLES_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+RECIPE_REPO_DIR=$(dirname "$RECIPE_EXAMPLES_DIR")
+
+#: Keys every model config must give, and the one it may give.
+RECIPE_MODEL_KEYS=(
+    NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS NUM_QUERY_GROUPS FFN_HIDDEN_SIZE SEQ_LENGTH
+    VOCAB_SIZE NORMALIZATION POSITION_EMBEDDING_TYPE SWIGLU DISABLE_BIAS_LINEAR
+    UNTIE_EMBEDDINGS_AND_OUTPUT_WEIGHTS ATTENTION_DROPOUT HIDDEN_DROPOUT
+)
+RECIPE_OPTIONAL_MODEL_KEYS=(MAX_POSITION_EMBEDDINGS)
+
+#: The variables recipe_setup exports to every rank (printed by recipe_run).
+RECIPE_EXPORTS=(CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_AVOID_RECORD_STREAMS OMP_NUM_THREADS
+    MASTER_ADDR MASTER_PORT)
+
+recipe_die() {
+    echo "${0##*/}: error: $*" >&2
+    exit 1
+}
+
+# recipe_require_int NAME...: each named variable holds a non-negative integer.
+recipe_require_int() {
+    local name
+    for name in "$@"; do
+        [[ ${!name} =~ ^[0-9]+$ ]] || recipe_die "$name=${!name} is not a non-negative integer."
+    done
+}
+
+# recipe_require_bool NAME...: each named variable is 0 or 1.
+recipe_require_bool() {
+    local name
+    for name in "$@"; do
+        [[ ${!name} == [01] ]] || recipe_die "$name=${!name} must be 0 or 1."
+    done
+}
+
+# recipe_model_file MODEL: the config file of a model name (examples/models/NAME.env) or path.
+recipe_model_file() {
+    local model=$1
+    if [[ $model == */* || $model == *.env ]]; then
+        [[ -f $model ]] || recipe_die "MODEL=$model: no such file."
+        echo "$model"
+        return
+    fi
+    local file="$RECIPE_EXAMPLES_DIR/models/$model.env"
+    if [[ ! -f $file ]]; then
+        local known=("$RECIPE_EXAMPLES_DIR"/models/*.env)
+        known=("${known[@]##*/}")
+        recipe_die "MODEL=$model: no $file. Known models: ${known[*]%.env}."
+    fi
+    echo "$file"
+}
+
+# recipe_set_model_key SOURCE KEY VALUE: store one model setting in MODEL_CFG, checked.
+recipe_set_model_key() {
+    local source=$1 key=$2 value=$3
+    if [[ " ${RECIPE_MODEL_KEYS[*]} ${RECIPE_OPTIONAL_MODEL_KEYS[*]} " != *" $key "* ]]; then
+        recipe_die "$source: unknown model key $key (known: ${RECIPE_MODEL_KEYS[*]} \
+${RECIPE_OPTIONAL_MODEL_KEYS[*]})."
+    fi
+    [[ $value =~ ^[A-Za-z0-9._+-]+$ ]] || recipe_die "$source: $key has no valid value ('$value')."
+    MODEL_CFG[$key]=$value
+}
+
+# recipe_read_model FILE: fill MODEL_CFG from a KEY=VALUE file, then from MODEL_OVERRIDES.
+# The file is parsed, not sourced: it is data, and a typo is an error rather than a no-op.
+recipe_read_model() {
+    local file=$1 line number=0 key word words
+    declare -gA MODEL_CFG=()
+    while IFS= read -r line || [[ -n $line ]]; do
+        number=$((number + 1))
+        line=${line%%#*}
+        [[ $line =~ ^[[:space:]]*$ ]] && continue
+        [[ $line =~ ^[[:space:]]*([A-Z][A-Z0-9_]*)=([^[:space:]]*)[[:space:]]*$ ]] ||
+            recipe_die "$file:$number: expected KEY=VALUE, got '$line'."
+        recipe_set_model_key "$file:$number" "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}"
+    done <"$file"
+    read -ra words <<<"${MODEL_OVERRIDES:-}"
+    for word in "${words[@]}"; do
+        [[ $word == *=* ]] || recipe_die "MODEL_OVERRIDES: expected KEY=VALUE words, got '$word'."
+        recipe_set_model_key MODEL_OVERRIDES "${word%%=*}" "${word#*=}"
+    done
+    for key in "${RECIPE_MODEL_KEYS[@]}"; do
+        [[ -n ${MODEL_CFG[$key]:-} ]] || recipe_die "$file: missing model key $key."
+    done
+    for key in NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS NUM_QUERY_GROUPS FFN_HIDDEN_SIZE \
+        SEQ_LENGTH VOCAB_SIZE; do
+        [[ ${MODEL_CFG[$key]} =~ ^[0-9]+$ ]] || recipe_die "$file: $key must be an integer."
+    done
+    for key in SWIGLU DISABLE_BIAS_LINEAR UNTIE_EMBEDDINGS_AND_OUTPUT_WEIGHTS; do
+        [[ ${MODEL_CFG[$key]} == [01] ]] || recipe_die "$file: $key must be 0 or 1."
+    done
+}
+
+# recipe_first_node: the host of rank 0 (the rendezvous host).
+recipe_first_node() {
+    local hosts=()
+    if [[ -n ${SLURM_JOB_NODELIST:-} ]] && command -v scontrol >/dev/null; then
+        mapfile -t hosts < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+    fi
+    echo "${hosts[0]:-localhost}"
+}
+
+# recipe_setup STYLE: read every knob from the environment (or its default), load the model
+# config and export the variables every rank needs.
+recipe_setup() {
+    RECIPE_STYLE=$1
+    case $RECIPE_STYLE in
+    srun | torchrun) ;;
+    local)
+        # A CPU smoke run: a tiny model on TP ranks of this machine, fp32, mock data.
+        : "${MODEL:=tiny}" "${TP:=2}" "${BF16:=0}" "${MOCK:=1}" "${TRAIN_ITERS:=12}"
+        : "${LOG_INTERVAL:=1}" "${NNODES:=1}" "${GPUS_PER_NODE:=$TP}"
+        ;;
+    *) recipe_die "unknown launch style '$RECIPE_STYLE' (srun, torchrun or local)." ;;
+    esac
+
+    DRY_RUN=${DRY_RUN:-0}
+    MODEL=${MODEL:-gpt3-6.7b}
+    RECIPE_MODEL_FILE=$(recipe_model_file "$MODEL")
+    MODEL_NAME=$(basename "$RECIPE_MODEL_FILE" .env)
+    recipe_read_model "$RECIPE_MODEL_FILE"
+
+    # Layout: nodes from the SLURM allocation (1 outside SLURM), ranks per node, TP size.
+    NNODES=${NNODES:-${SLURM_NNODES:-1}}
+    GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+    TP=${TP:-8}
+    recipe_require_int NNODES GPUS_PER_NODE TP
+    WORLD_SIZE=$((NNODES * GPUS_PER_NODE))
+    ((TP >= 1 && WORLD_SIZE % TP == 0)) ||
+        recipe_die "TP=$TP does not divide the $WORLD_SIZE ranks \
+(NNODES=$NNODES x GPUS_PER_NODE=$GPUS_PER_NODE)."
+    DP=$((WORLD_SIZE / TP))
+
+    # Batch and schedule. One micro-batch per data-parallel rank per step unless
+    # GLOBAL_BATCH_SIZE asks for gradient accumulation.
+    MICRO_BATCH_SIZE=${MICRO_BATCH_SIZE:-2}
+    recipe_require_int MICRO_BATCH_SIZE
+    GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-$((MICRO_BATCH_SIZE * DP))}
+    TRAIN_ITERS=${TRAIN_ITERS:-100}
+    recipe_require_int GLOBAL_BATCH_SIZE TRAIN_ITERS
+    LR=${LR:-1.5e-4}
+    MIN_LR=${MIN_LR:-$(awk -v lr="$LR" 'BEGIN { printf "%g", lr / 10 }')}
+    LR_WARMUP_ITERS=${LR_WARMUP_ITERS:-$((TRAIN_ITERS / 10))}
+    LOG_INTERVAL=${LOG_INTERVAL:-10}
+    SEED=${SEED:-1234}
+    BF16=${BF16:-1}
+    recipe_require_int LR_WARMUP_ITERS LOG_INTERVAL SEED
+    recipe_require_bool BF16
+
+    # Data: MOCK=1 trains on Megatron-Core's synthetic tokens; otherwise a prepared dataset.
+    MOCK=${MOCK:-0}
+    recipe_require_bool MOCK
+    if ((!MOCK)) && [[ -z ${DATA_PATH:-} || -z ${TOKENIZER_MODEL:-} ]]; then
+        recipe_die "no data: set DATA_PATH (a .bin/.idx prefix, or 'W1 P1 W2 P2' for a blend) \
+and TOKENIZER_MODEL (a SentencePiece .model), e.g. from \
+'python -m megatron_domino.data.prepare', or set MOCK=1 for synthetic data."
+    fi
+
+    DOMINO=${DOMINO:-0}
+    DOMINO_CHUNKS=${DOMINO_CHUNKS:-2}
+    DOMINO_COLUMN_CHUNKS=${DOMINO_COLUMN_CHUNKS:-1}
+    DOMINO_INTER_LAYER=${DOMINO_INTER_LAYER:-1}
+    DOMINO_BACKWARD_OVERLAP=${DOMINO_BACKWARD_OVERLAP:-1}
+    recipe_require_bool DOMINO DOMINO_INTER_LAYER DOMINO_BACKWARD_OVERLAP
+    recipe_require_int DOMINO_CHUNKS DOMINO_COLUMN_CHUNKS
+
+    DISTRIBUTED_OPTIMIZER=${DISTRIBUTED_OPTIMIZER:-1}
+    OVERLAP_GRAD_REDUCE=${OVERLAP_GRAD_REDUCE:-1}
+    recipe_require_bool DISTRIBUTED_OPTIMIZER OVERLAP_GRAD_REDUCE
+    TRANSFORMER_IMPL=${TRANSFORMER_IMPL:-local}
+
+    PYTHON=${PYTHON:-python}
+    TORCHRUN=${TORCHRUN:-torchrun}
+    local run_id=${SLURM_JOB_ID:-$(date +%Y%m%d-%H%M%S)}
+    RUN_DIR=${RUN_DIR:-$PWD/runs/$MODEL_NAME-tp$TP-${NNODES}n-$run_id}
+
+    # --- Environment of every rank ------------------------------------------------------
+    # One hardware queue per device, so kernels start in the order they were launched: an
+    # all-reduce launched before an independent GEMM starts first and then runs alongside
+    # it. With several queues the GEMM may be scheduled first and fill the GPU, and the
+    # collective runs after it - the overlap Domino (and Megatron's own) arranges is lost.
+    export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-1}
+    # Domino launches its tensor-parallel all-reduces with async_op=True. PyTorch releases
+    # before mid-2025 then call record_stream on their tensors, which keeps that memory from
+    # being reused until the caching allocator notices the NCCL stream is done, and TP runs
+    # grow in memory; with 1 the tensors are held until wait() instead (Domino waits on every
+    # handle). Newer PyTorch does this by default (pytorch/pytorch#150398); 1 is harmless there.
+    export TORCH_NCCL_AVOID_RECORD_STREAMS=${TORCH_NCCL_AVOID_RECORD_STREAMS:-1}
+    # torchrun sets 1 thread per rank; set the same under plain srun so both launch styles
+    # run alike (8 ranks x all cores of CPU threads would oversubscribe the node).
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    # Rank 0's host and a port; the srun style's ranks read them (pretrain_gpt_domino.py
+    # takes rank and world size from SLURM_PROCID/SLURM_NTASKS), torchrun's rendezvous uses
+    # them. The port is derived from the job id so two jobs sharing a node do not collide.
+    MASTER_ADDR=${MASTER_ADDR:-$(recipe_first_node)}
+    if [[ -z ${MASTER_PORT:-} && -n ${SLURM_JOB_ID:-} ]]; then
+        MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+    fi
+    MASTER_PORT=${MASTER_PORT:-29500}
+    export MASTER_ADDR MASTER_PORT
+    # NCCL is left to the site, which knows its fabric: NCCL_SOCKET_IFNAME (bootstrap
+    # interface), NCCL_IB_HCA / NCCL_IB_GID_INDEX / NCCL_IB_TIMEOUT (InfiniBand or RoCE),
+    # NCCL_DEBUG=INFO (to see the chosen transports). Whatever is exported when the job starts
+    # reaches every rank (srun passes the environment on) and is printed with the command.
+    # NCCL_NVLS_ENABLE is not set either: on H100/H200 NVSwitch systems NCCL uses NVLink
+    # SHARP for in-node all-reduces where available, which reduces in the switch and so
+    # occupies fewer SMs next to the GEMMs Domino overlaps; export NCCL_NVLS_ENABLE=0 to
+    # compare without it or if its extra memory per communicator is a problem.
+}
+
+# recipe_pretrain_args DOMINO RUN_DIR: PRETRAIN_ARGS, the flags of one run, in groups.
+recipe_pretrain_args() {
+    local domino=$1 run_dir=$2
+    GPT_MODEL_ARGS=(
+        --num-layers "${MODEL_CFG[NUM_LAYERS]}"
+        --hidden-size "${MODEL_CFG[HIDDEN_SIZE]}"
+        --ffn-hidden-size "${MODEL_CFG[FFN_HIDDEN_SIZE]}"
+        --num-attention-heads "${MODEL_CFG[NUM_ATTENTION_HEADS]}"
+        --seq-length "${MODEL_CFG[SEQ_LENGTH]}"
+        --normalization "${MODEL_CFG[NORMALIZATION]}"
+        --position-embedding-type "${MODEL_CFG[POSITION_EMBEDDING_TYPE]}"
+        --attention-dropout "${MODEL_CFG[ATTENTION_DROPOUT]}"
+        --hidden-dropout "${MODEL_CFG[HIDDEN_DROPOUT]}"
+        --transformer-impl "$TRANSFORMER_IMPL"
+    )
+    if [[ ${MODEL_CFG[NUM_QUERY_GROUPS]} -ne ${MODEL_CFG[NUM_ATTENTION_HEADS]} ]]; then
+        GPT_MODEL_ARGS+=(--group-query-attention
+            --num-query-groups "${MODEL_CFG[NUM_QUERY_GROUPS]}")
+    fi
+    if [[ -n ${MODEL_CFG[MAX_POSITION_EMBEDDINGS]:-} ]]; then
+        GPT_MODEL_ARGS+=(--max-position-embeddings "${MODEL_CFG[MAX_POSITION_EMBEDDINGS]}")
+    fi
+    [[ ${MODEL_CFG[SWIGLU]} == 1 ]] && GPT_MODEL_ARGS+=(--swiglu)
+    [[ ${MODEL_CFG[DISABLE_BIAS_LINEAR]} == 1 ]] && GPT_MODEL_ARGS+=(--disable-bias-linear)
+    [[ ${MODEL_CFG[UNTIE_EMBEDDINGS_AND_OUTPUT_WEIGHTS]} == 1 ]] &&
+        GPT_MODEL_ARGS+=(--untie-embeddings-and-output-weights)
+
+    # GPT-3 and Llama-2 both train with AdamW(0.9, 0.95), weight decay 0.1, clipping at 1.0
+    # and a cosine schedule to 10 % of the peak learning rate.
+    TRAINING_ARGS=(
+        --micro-batch-size "$MICRO_BATCH_SIZE"
+        --global-batch-size "$GLOBAL_BATCH_SIZE"
+        --train-iters "$TRAIN_ITERS"
+        --lr "$LR"
+        --min-lr "$MIN_LR"
+        --lr-decay-style cosine
+        --lr-warmup-iters "$LR_WARMUP_ITERS"
+        --weight-decay 0.1
+        --adam-beta1 0.9
+        --adam-beta2 0.95
+        --clip-grad 1.0
+        --seed "$SEED"
+    )
+    ((BF16)) && TRAINING_ARGS+=(--bf16)
+
+    # Only tensor parallelism: pretrain_gpt_domino.py has no pipeline or sequence parallelism.
+    MODEL_PARALLEL_ARGS=(--tensor-model-parallel-size "$TP")
+    ((DISTRIBUTED_OPTIMIZER)) && MODEL_PARALLEL_ARGS+=(--use-distributed-optimizer)
+    ((OVERLAP_GRAD_REDUCE)) && MODEL_PARALLEL_ARGS+=(--overlap-grad-reduce)
+
+    if ((MOCK)); then
+        # NullTokenizer: ids 0..VOCAB_SIZE-1 plus one end-of-document id, as in Megatron-LM.
+        DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer
+            --vocab-size "${MODEL_CFG[VOCAB_SIZE]}")
+    else
+        local data_path
+        read -ra data_path <<<"$DATA_PATH"
+        # The vocabulary is the tokenizer's; the model config's VOCAB_SIZE is for MOCK=1 only.
+        DATA_ARGS=(--data-path "${data_path[@]}" --split "${SPLIT:-969,30,1}"
+            --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
+    fi
+    [[ -n ${DATA_CACHE_PATH:-} ]] && DATA_ARGS+=(--data-cache-path "$DATA_CACHE_PATH")
+
+    LOGGING_ARGS=(
+        --log-interval "$LOG_INTERVAL"
+        --log-throughput
+        --log-json "$run_dir/log.jsonl"
+    )
+    [[ -n ${TENSORBOARD_DIR:-} ]] && LOGGING_ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
+    if [[ -n ${EVAL_INTERVAL:-} ]]; then
+        LOGGING_ARGS+=(--eval-interval "$EVAL_INTERVAL" --eval-iters "${EVAL_ITERS:-10}")
+    fi
+    CHECKPOINT_ARGS=()
+    if [[ -n ${CHECKPOINT_DIR:-} ]]; then
+        # Save to and resume from the same directory, as Megatron-LM's examples do.
+        CHECKPOINT_ARGS=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR"
+            --save-interval "${SAVE_INTERVAL:-1000}")
+    fi
+
+    DOMINO_ARGS=()
+    if ((domino)); then
+        if ((DOMINO_CHUNKS > 1 && MICRO_BATCH_SIZE % DOMINO_CHUNKS)); then
+            recipe_die "DOMINO_CHUNKS=$DOMINO_CHUNKS does not divide MICRO_BATCH_SIZE=\
+$MICRO_BATCH_SIZE: use a micro-batch that is a multiple of it, or DOMINO_CHUNKS=1 \
+DOMINO_COLUMN_CHUNKS=2 (or more) at micro-batch 1."
+        fi
+        DOMINO_ARGS=(--domino --domino-chunks "$DOMINO_CHUNKS"
+            --domino-column-chunks "$DOMINO_COLUMN_CHUNKS")
+        ((DOMINO_INTER_LAYER)) || DOMINO_ARGS+=(--no-domino-inter-layer)
+        ((DOMINO_BACKWARD_OVERLAP)) || DOMINO_ARGS+=(--no-domino-backward-overlap)
+    fi
+
+    # Anything else, appended last (argparse keeps the last value of a repeated flag).
+    local extra_args
+    read -ra extra_args <<<"${EXTRA_ARGS:-}"
+
+    PRETRAIN_ARGS=("${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}"
+        "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${DOMINO_ARGS[@]}"
+        "${extra_args[@]}")
+    RECIPE_RUN_DIR=$run_dir
+}
+
+# recipe_launcher: LAUNCH_CMD, everything before pretrain_gpt_domino.py's flags.
+recipe_launcher() {
+    local script="$RECIPE_REPO_DIR/pretrain_gpt_domino.py" srun_args torchrun tasks cpus
+    read -ra srun_args <<<"${SRUN_ARGS:-}"
+    read -ra torchrun <<<"$TORCHRUN"
+    # Give the node's CPUs to its tasks: since SLURM 22.05 a step no longer inherits the job's
+    # CPUs per task, so each task would be confined to one CPU - and a torchrun task would run
+    # all its ranks on it. Omitted outside a job, or when CPUS_PER_TASK is set empty.
+    tasks=$([[ $RECIPE_STYLE == srun ]] && echo "$GPUS_PER_NODE" || echo 1)
+    cpus=${CPUS_PER_TASK-${SLURM_CPUS_ON_NODE:+$((SLURM_CPUS_ON_NODE / tasks))}}
+    if [[ -n $cpus ]]; then srun_args=(--cpus-per-task="$cpus" "${srun_args[@]}"); fi
+    case $RECIPE_STYLE in
+    srun)
+        # One task per GPU; each rank reads its rank, world size and local rank from SLURM.
+        LAUNCH_CMD=(srun --nodes="$NNODES" --ntasks-per-node="$GPUS_PER_NODE"
+            --kill-on-bad-exit=1 "${srun_args[@]}" "$PYTHON" "$script")
+        ;;
+    torchrun)
+        # One task per node; torchrun starts the node's ranks and the c10d rendezvous on the
+        # first node numbers them, so every node runs the identical command.
+        LAUNCH_CMD=(srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1
+            "${srun_args[@]}" "${torchrun[@]}" --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE"
+            --rdzv-id "${SLURM_JOB_ID:-0}" --rdzv-backend c10d
+            --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" "$script")
+        ;;
+    local)
+        LAUNCH_CMD=("${torchrun[@]}" --standalone --nproc-per-node "$GPUS_PER_NODE" "$script")
+        ;;
+    esac
+}
+
+# recipe_print LABEL: the resolved environment and command line, runnable as printed.
+recipe_print() {
+    local name
+    echo "# $1: $MODEL_NAME, $NNODES node(s) x $GPUS_PER_NODE ranks, TP=$TP, DP=$DP ($RECIPE_STYLE)"
+    for name in "${RECIPE_EXPORTS[@]}"; do
+        printf 'export %s=%q\n' "$name" "${!name}"
+    done
+    while IFS= read -r name; do
+        printf '# inherited: %s=%q\n' "$name" "${!name}"
+    done < <(compgen -e | grep -E '^(NCCL_|UCX_|FI_)' || true)
+    printf '%q ' "${LAUNCH_CMD[@]}" "${PRETRAIN_ARGS[@]}" | sed 's/ $//'
+    echo
+}
+
+# recipe_run LABEL LOG: print the command; unless DRY_RUN=1, run it and tee its output to LOG.
+recipe_run() {
+    local label=$1 log=$2
+    if ((DRY_RUN)); then
+        recipe_print "$label"
+        return 0
+    fi
+    mkdir -p "$RECIPE_RUN_DIR" "$(dirname "$log")"
+    recipe_print "$label" | tee -a "$log"
+    "${LAUNCH_CMD[@]}" "${PRETRAIN_ARGS[@]}" 2>&1 | tee -a "$log"
+}

@@ -1,0 +1,32 @@
+#!/bin/bash
+# Pretrain a GPT model with pretrain_gpt_domino.py under SLURM, one task per GPU: srun starts
+# NNODES x 8 processes and each takes its rank from SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID.
+#
+#   sbatch --nodes=2 examples/pretrain_gpt_srun.sh                  # from the repository root
+#   MODEL=llama2-7b DOMINO=1 MOCK=1 sbatch examples/pretrain_gpt_srun.sh
+#   DRY_RUN=1 MOCK=1 bash examples/pretrain_gpt_srun.sh             # print the command only
+#
+# Knobs (MODEL, TP, MICRO_BATCH_SIZE, DOMINO, ...) are environment variables: see
+# examples/README.md. Add --partition/--account on the sbatch command line.
+#SBATCH --job-name=domino-gpt
+#SBATCH --nodes=1
+#SBATCH --ntasks-per-node=8
+#SBATCH --gpus-per-node=8
+#SBATCH --exclusive
+#SBATCH --time=01:00:00
+set -euo pipefail
+
+# sbatch runs a copy of this file from its spool directory; the checkout is then found
+# through DOMINO_REPO or the submission directory.
+examples=$(dirname "${BASH_SOURCE[0]}")
+[[ -f $examples/lib/common.sh ]] || examples=${DOMINO_REPO:-${SLURM_SUBMIT_DIR:-.}}/examples
+# shellcheck source=examples/lib/common.sh
+if ! source "$examples/lib/common.sh"; then
+    echo "${0##*/}: no checkout found: submit from its root or export DOMINO_REPO" >&2
+    exit 1
+fi
+
+recipe_setup srun
+recipe_pretrain_args "$DOMINO" "$RUN_DIR"
+recipe_launcher
+recipe_run pretrain "$RUN_DIR/train.log"
