@@ -1,0 +1,57 @@
+"""The benchmark pipeline on a tiny model: worker arms, derived metrics, JSON, table, plots.
+
+This checks the plumbing and the fields of ``latest.json``; it measures nothing (plain
+loopback, one iteration): speed claims come from ``make bench`` runs, not from tests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+from multiproc import run_on_ranks
+
+from megatron_domino.bench.metrics import ROW_FIELDS, setting_rows
+from megatron_domino.bench.report import write_artefacts
+
+CASE = {
+    "tensor_model_parallel_size": 2,
+    "micro_batch_size": 4,
+    "model": dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,
+                  vocab_size=300, attention_dropout=0.0, hidden_dropout=0.0),
+    "domino": {"p2": {"chunks": 2}, "p1-k2": {"chunks": 1, "column_chunks": 2}},
+}
+
+
+def _run_case() -> dict:
+    from megatron_domino.bench.worker import run_case
+
+    return run_case(CASE, iters=2, warmup=1)
+
+
+def test_worker_metrics_and_artefacts(tmp_path):
+    result = {"case": CASE, **run_on_ranks(_run_case, 2)[0]}
+    expected_arms = {"baseline", "oracle"} | {f"{kind}[{s}]" for kind in ("domino", "domino_noop")
+                                              for s in CASE["domino"]}
+    assert set(result["arms"]) == expected_arms
+    for arm in result["arms"].values():
+        for part in ("fwd", "bwd", "total"):
+            assert arm[part]["min_s"] <= arm[part]["median_s"] <= arm[part]["max_s"]
+
+    rows = setting_rows(result)
+    assert [row["setting"] for row in rows] == ["p2", "p1-k2"]
+    for row in rows:
+        assert set(ROW_FIELDS) <= set(row)
+        assert all(math.isfinite(row[f]) for f in ("comm_share", "speedup", "chunk_overhead",
+                                                   "peak_mem_ratio"))
+    # Chunking keeps the same activations: the saved-for-backward bytes barely move.
+    assert 0.9 < rows[0]["peak_mem_ratio"] < 1.2
+
+    case = {"name": "tiny", "link_mbit": None, **CASE, "arms": result["arms"], "rows": rows,
+            "timelines": result["timelines"], "peak_memory_bytes": result["peak_memory_bytes"]}
+    written = write_artefacts(tmp_path, {"commit": "test", "cases": [case]})
+    latest = json.loads((tmp_path / "latest.json").read_text())
+    assert latest["cases"][0]["rows"][0]["setting"] == "p2"
+    table = (tmp_path / "table.md").read_text()
+    assert "| tiny | p2 | 2 | 2 | 1 | plain loopback |" in table
+    assert all(path.exists() for path in written)
