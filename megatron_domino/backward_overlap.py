@@ -40,14 +40,17 @@ class DgradReduceSlot:
     def launch(self, grad_input: torch.Tensor) -> None:
         """Start the in-place all-reduce of ``grad_input`` (``[s, b/p, h]``)."""
         if self._work is not None:
-            raise RuntimeError(f"{self.label.name} of layer {self.label.layer} chunk "
-                               f"{self.label.chunk} launched twice without a wait.")
+            raise RuntimeError(
+                f"{self.label.name} of layer {self.label.layer} chunk "
+                f"{self.label.chunk} launched twice without a wait."
+            )
         label = self.label
         self._collective = label.recorder.new_collective_id()
         self._buffer = grad_input
         self._work = dist.all_reduce(grad_input, group=self.group, async_op=True)
-        label.recorder.record(LAUNCH, label.name, label.layer, label.chunk, "bwd",
-                              collective=self._collective)
+        label.recorder.record(
+            LAUNCH, label.name, label.layer, label.chunk, "bwd", collective=self._collective
+        )
 
     def wait(self, grad: torch.Tensor) -> torch.Tensor:
         """Wait for the all-reduce and return the reduced gradient.
@@ -64,11 +67,13 @@ class DgradReduceSlot:
                 "with an in-flight all-reduce buffer. Disable with --no-domino-backward-overlap."
             )
         label = self.label
-        label.recorder.record(WAIT_BEGIN, label.name, label.layer, label.chunk, "bwd",
-                              collective=self._collective)
+        label.recorder.record(
+            WAIT_BEGIN, label.name, label.layer, label.chunk, "bwd", collective=self._collective
+        )
         self._work.wait()
-        label.recorder.record(WAIT_END, label.name, label.layer, label.chunk, "bwd",
-                              collective=self._collective)
+        label.recorder.record(
+            WAIT_END, label.name, label.layer, label.chunk, "bwd", collective=self._collective
+        )
         reduced, self._work, self._buffer = self._buffer, None, None
         return reduced
 
@@ -101,7 +106,9 @@ class _ColumnLinearAsyncDgrad(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, linear_input, weight, bias, slot: DgradReduceSlot, accumulate_in_main_grad: bool):
+    def forward(
+        ctx, linear_input, weight, bias, slot: DgradReduceSlot, accumulate_in_main_grad: bool
+    ):
         ctx.save_for_backward(linear_input, weight)
         ctx.slot = slot
         ctx.has_bias = bias is not None
@@ -121,7 +128,9 @@ class _ColumnLinearAsyncDgrad(torch.autograd.Function):
             with label.recorder.region("wgrad_gemm", label.layer, label.chunk, "bwd"):
                 grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
                 input_2d = linear_input.reshape(-1, linear_input.shape[-1])
-                grad_weight = _weight_gradient(weight, grad_2d, input_2d, ctx.accumulate_in_main_grad)
+                grad_weight = _weight_gradient(
+                    weight, grad_2d, input_2d, ctx.accumulate_in_main_grad
+                )
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(dim=0)
         return grad_input, grad_weight, grad_bias, None, None
@@ -131,8 +140,9 @@ def _weight_gradient(weight, grad_2d, input_2d, accumulate_in_main_grad: bool):
     """``dW = dY^T @ X`` (``[n/tp, h]``), or its accumulation into ``weight.main_grad``."""
     if not accumulate_in_main_grad:
         return grad_2d.t().matmul(input_2d)
-    weight.main_grad.addmm_(grad_2d.t().to(weight.main_grad.dtype),
-                            input_2d.to(weight.main_grad.dtype))
+    weight.main_grad.addmm_(
+        grad_2d.t().to(weight.main_grad.dtype), input_2d.to(weight.main_grad.dtype)
+    )
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
@@ -141,7 +151,8 @@ def _weight_gradient(weight, grad_2d, input_2d, accumulate_in_main_grad: bool):
     return make(weight.main_grad.shape, dtype=input_2d.dtype, device=input_2d.device)
 
 
-def column_linear_async_dgrad(linear_input, weight, bias, slot: DgradReduceSlot,
-                              accumulate_in_main_grad: bool) -> torch.Tensor:
+def column_linear_async_dgrad(
+    linear_input, weight, bias, slot: DgradReduceSlot, accumulate_in_main_grad: bool
+) -> torch.Tensor:
     """Apply the column-parallel GEMM whose backward launches ``slot``'s all-reduce."""
     return _ColumnLinearAsyncDgrad.apply(linear_input, weight, bias, slot, accumulate_in_main_grad)

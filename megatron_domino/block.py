@@ -25,8 +25,9 @@ SHARED_ATTENTION_ARGS = ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin")
 IGNORED_ARGS = ("padding_mask", "dynamic_inference_decode_only")
 
 
-def domino_block_forward(block: TransformerBlock, hidden_states, attention_mask=None, *,
-                         runtime: DominoRuntime, **kwargs) -> torch.Tensor:
+def domino_block_forward(
+    block: TransformerBlock, hidden_states, attention_mask=None, *, runtime: DominoRuntime, **kwargs
+) -> torch.Tensor:
     """Forward of a Domino-patched block.
 
     Args:
@@ -46,12 +47,16 @@ def domino_block_forward(block: TransformerBlock, hidden_states, attention_mask=
     if batch % p:
         raise DominoConfigError(
             f"Micro-batch size {batch} is not divisible by --domino-chunks {p}; use a "
-            "micro-batch that is a multiple of the chunk count.")
+            "micro-batch that is a multiple of the chunk count."
+        )
     attention_bias = kwargs.get("attention_bias")
     chunks = [
-        ChunkState(index=c, hidden=hidden.contiguous(),
-                   attention_mask=_chunk_of(attention_mask, c, p, batch),
-                   attention_bias=_chunk_of(attention_bias, c, p, batch))
+        ChunkState(
+            index=c,
+            hidden=hidden.contiguous(),
+            attention_mask=_chunk_of(attention_mask, c, p, batch),
+            attention_bias=_chunk_of(attention_bias, c, p, batch),
+        )
         for c, hidden in enumerate(hidden_states.chunk(p, dim=1))
     ]
     attention_kwargs = {name: kwargs.get(name) for name in SHARED_ATTENTION_ARGS}
@@ -70,14 +75,17 @@ def _chunk_of(tensor: torch.Tensor | None, chunk: int, chunks: int, batch: int):
     if tensor is None or tensor.shape[0] != batch or batch == 1:
         return tensor
     size = batch // chunks
-    return tensor[chunk * size:(chunk + 1) * size]
+    return tensor[chunk * size : (chunk + 1) * size]
 
 
 def _refuse_unsupported_arguments(kwargs: dict) -> None:
     supported = set(SHARED_ATTENTION_ARGS) | set(IGNORED_ARGS) | {"attention_bias"}
-    used = sorted(name for name, value in kwargs.items() if value is not None and name not in supported)
+    used = sorted(
+        name for name, value in kwargs.items() if value is not None and name not in supported
+    )
     if used:
         raise DominoUnsupportedError(
             f"Domino does not support these TransformerBlock arguments: {', '.join(used)} "
             "(cross-attention, packed sequences, inference and rotary cos/sin caches run only "
-            "on the stock path). Train without --domino for this model.")
+            "on the stock path). Train without --domino for this model."
+        )

@@ -58,8 +58,9 @@ class PendingReduce:
             (``skip_bias_add=False``), as Megatron-Core does.
     """
 
-    def __init__(self, group: dist.ProcessGroup, label: CollectiveLabel,
-                 bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, label: CollectiveLabel, bias: torch.Tensor | None = None
+    ) -> None:
         self._group = group
         self._label = label
         self._bias = bias
@@ -74,7 +75,9 @@ class PendingReduce:
         collective = label.recorder.new_collective_id()
         self._pieces.append(_LaunchAllReduce.apply(partial.contiguous(), self._group, self._works))
         self._ids.append(collective)
-        label.recorder.record(LAUNCH, label.name, label.layer, label.chunk, "fwd", piece, collective)
+        label.recorder.record(
+            LAUNCH, label.name, label.layer, label.chunk, "fwd", piece, collective
+        )
 
     @property
     def in_flight(self) -> bool:
@@ -83,15 +86,19 @@ class PendingReduce:
     def wait(self) -> torch.Tensor:
         """Wait for every piece and return the reduced output ``[s, b/p, h]`` (pieces joined on h)."""
         if not self._works:
-            raise RuntimeError(f"{self._label.name} of layer {self._label.layer} chunk "
-                               f"{self._label.chunk} was waited twice or never launched.")
+            raise RuntimeError(
+                f"{self._label.name} of layer {self._label.layer} chunk "
+                f"{self._label.chunk} was waited twice or never launched."
+            )
         label = self._label
-        for piece, (work, collective) in enumerate(zip(self._works, self._ids)):
-            label.recorder.record(WAIT_BEGIN, label.name, label.layer, label.chunk, "fwd", piece,
-                                  collective)
+        for piece, (work, collective) in enumerate(zip(self._works, self._ids, strict=True)):
+            label.recorder.record(
+                WAIT_BEGIN, label.name, label.layer, label.chunk, "fwd", piece, collective
+            )
             work.wait()
-            label.recorder.record(WAIT_END, label.name, label.layer, label.chunk, "fwd", piece,
-                                  collective)
+            label.recorder.record(
+                WAIT_END, label.name, label.layer, label.chunk, "fwd", piece, collective
+            )
         self._works.clear()
         output = self._pieces[0] if len(self._pieces) == 1 else torch.cat(self._pieces, dim=-1)
         self._pieces.clear()

@@ -125,11 +125,19 @@ def add_domino_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         meta = f.metadata
         if isinstance(f.default, bool):
             group.add_argument(
-                meta["flag"], dest=f.name, action="store_false", default=f.default, help=meta["help"]
+                meta["flag"],
+                dest=f.name,
+                action="store_false",
+                default=f.default,
+                help=meta["help"],
             )
         else:
             group.add_argument(
-                meta["flag"], dest=f.name, type=int, default=f.default, metavar="N",
+                meta["flag"],
+                dest=f.name,
+                type=int,
+                default=f.default,
+                metavar="N",
                 help=meta["help"] + f" Default: {f.default}.",
             )
     return parser

@@ -30,28 +30,71 @@ from megatron_domino.version import check_megatron_core_version
 
 #: (TransformerConfig attribute, is-refused predicate, reason and fix)
 _REFUSED_FEATURES = (
-    ("sequence_parallel", bool,
-     "sequence parallelism is not supported by Domino yet; drop --sequence-parallel"),
-    ("tp_comm_overlap", bool,
-     "TE userbuffer overlap (tp_comm_overlap) takes over the same collectives; use one or the other"),
+    (
+        "sequence_parallel",
+        bool,
+        "sequence parallelism is not supported by Domino yet; drop --sequence-parallel",
+    ),
+    (
+        "tp_comm_overlap",
+        bool,
+        "TE userbuffer overlap (tp_comm_overlap) takes over the same collectives; use one or the other",
+    ),
     ("enable_cuda_graph", bool, "CUDA graphs bypass forward(); disable CUDA graphs"),
     ("external_cuda_graph", bool, "CUDA graphs bypass forward(); disable CUDA graphs"),
-    ("cuda_graph_impl", lambda v: v not in (None, "none"), "CUDA graphs bypass forward(); set cuda_graph_impl='none'"),
-    ("recompute_granularity", lambda v: v is not None,
-     "activation recompute replays the forward outside Domino's schedule; drop --recompute-*"),
+    (
+        "cuda_graph_impl",
+        lambda v: v not in (None, "none"),
+        "CUDA graphs bypass forward(); set cuda_graph_impl='none'",
+    ),
+    (
+        "recompute_granularity",
+        lambda v: v is not None,
+        "activation recompute replays the forward outside Domino's schedule; drop --recompute-*",
+    ),
     ("num_moe_experts", lambda v: v is not None, "MoE layers are not supported; use a dense model"),
-    ("overlap_moe_expert_parallel_comm", bool,
-     "MoE combined-1F1B overlap takes over the same layers; disable it"),
-    ("fp8", lambda v: v is not None, "FP8 needs the Transformer Engine path, which Domino does not patch yet"),
-    ("fp4", lambda v: v is not None, "FP4 needs the Transformer Engine path, which Domino does not patch yet"),
+    (
+        "overlap_moe_expert_parallel_comm",
+        bool,
+        "MoE combined-1F1B overlap takes over the same layers; disable it",
+    ),
+    (
+        "fp8",
+        lambda v: v is not None,
+        "FP8 needs the Transformer Engine path, which Domino does not patch yet",
+    ),
+    (
+        "fp4",
+        lambda v: v is not None,
+        "FP4 needs the Transformer Engine path, which Domino does not patch yet",
+    ),
     ("cpu_offloading", bool, "activation CPU offloading is not supported; disable it"),
-    ("fine_grained_activation_offloading", bool, "activation offloading is not supported; disable it"),
-    ("pipeline_model_parallel_size", lambda v: (v or 1) > 1,
-     "pipeline parallelism is not supported by Domino yet; use --pipeline-model-parallel-size 1"),
-    ("context_parallel_size", lambda v: (v or 1) > 1, "context parallelism is not supported; use size 1"),
+    (
+        "fine_grained_activation_offloading",
+        bool,
+        "activation offloading is not supported; disable it",
+    ),
+    (
+        "pipeline_model_parallel_size",
+        lambda v: (v or 1) > 1,
+        "pipeline parallelism is not supported by Domino yet; use --pipeline-model-parallel-size 1",
+    ),
+    (
+        "context_parallel_size",
+        lambda v: (v or 1) > 1,
+        "context parallelism is not supported; use size 1",
+    ),
     ("delay_wgrad_compute", bool, "delayed weight-gradient compute is not supported; disable it"),
-    ("multi_latent_attention", bool, "multi-latent attention is not supported; use standard attention"),
-    ("experimental_attention_variant", lambda v: v is not None, "experimental attention variants are not supported"),
+    (
+        "multi_latent_attention",
+        bool,
+        "multi-latent attention is not supported; use standard attention",
+    ),
+    (
+        "experimental_attention_variant",
+        lambda v: v is not None,
+        "experimental attention variants are not supported",
+    ),
     ("inference_fuse_tp_communication", bool, "fused inference TP communication is not supported"),
 )
 
@@ -87,8 +130,9 @@ class DominoHandle:
         self.revert()
 
 
-def apply_domino(model: torch.nn.Module, config: DominoConfig, *,
-                 recorder: NullRecorder = NULL_RECORDER) -> DominoHandle:
+def apply_domino(
+    model: torch.nn.Module, config: DominoConfig, *, recorder: NullRecorder = NULL_RECORDER
+) -> DominoHandle:
     """Make ``model``'s transformer block run the Domino schedule.
 
     Args:
@@ -104,11 +148,14 @@ def apply_domino(model: torch.nn.Module, config: DominoConfig, *,
     blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
     if len(blocks) != 1:
         raise DominoUnsupportedError(
-            f"Domino expects exactly one TransformerBlock in the model, found {len(blocks)}.")
+            f"Domino expects exactly one TransformerBlock in the model, found {len(blocks)}."
+        )
     block = blocks[0]
     if "forward" in vars(block):
-        raise RuntimeError("Domino is already applied to this model; revert the first handle "
-                           "before applying again.")
+        raise RuntimeError(
+            "Domino is already applied to this model; revert the first handle "
+            "before applying again."
+        )
     _refuse_unsupported(block, config)
 
     tp_group = block.layers[0].self_attention.linear_proj.tp_group
@@ -130,22 +177,30 @@ def apply_domino(model: torch.nn.Module, config: DominoConfig, *,
 def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
     """Raise one :class:`DominoUnsupportedError` listing every reason Domino cannot run."""
     model_config = block.config
-    problems = [reason for name, refused, reason in _REFUSED_FEATURES
-                if refused(getattr(model_config, name, None))]
+    problems = [
+        reason
+        for name, refused, reason in _REFUSED_FEATURES
+        if refused(getattr(model_config, name, None))
+    ]
     tp_size = block.layers[0].self_attention.linear_proj.tp_group.size() if block.layers else 1
     if tp_size < 2:
-        problems.append("tensor-model-parallel size is 1, so there is no tensor-parallel "
-                        "communication to hide; use --tensor-model-parallel-size >= 2 or drop --domino")
+        problems.append(
+            "tensor-model-parallel size is 1, so there is no tensor-parallel "
+            "communication to hide; use --tensor-model-parallel-size >= 2 or drop --domino"
+        )
     if not block.layers:
         problems.append("the block has no layers")
     if model_config.hidden_size % config.column_chunks:
-        problems.append(f"--hidden-size {model_config.hidden_size} is not divisible by "
-                        f"--domino-column-chunks {config.column_chunks}")
+        problems.append(
+            f"--hidden-size {model_config.hidden_size} is not divisible by "
+            f"--domino-column-chunks {config.column_chunks}"
+        )
     for index, layer in enumerate(block.layers):
         problems += [f"layer {index}: {p}" for p in _layer_problems(layer)]
     if problems:
         raise DominoUnsupportedError(
-            "Domino cannot run on this model:\n  - " + "\n  - ".join(dict.fromkeys(problems)))
+            "Domino cannot run on this model:\n  - " + "\n  - ".join(dict.fromkeys(problems))
+        )
 
 
 def _layer_problems(layer: torch.nn.Module) -> list[str]:
@@ -167,16 +222,24 @@ def _layer_problems(layer: torch.nn.Module) -> list[str]:
         if type(module).forward is not cls.forward:
             problems.append(
                 f"{name} is {type(module).__name__}, not Megatron-Core's {cls.__name__}: "
-                "Transformer Engine layers are not supported yet; use --transformer-impl local")
-        elif cls is ColumnParallelLinear and (module.gather_output or module.sequence_parallel
-                                              or not module.allreduce_dgrad):
+                "Transformer Engine layers are not supported yet; use --transformer-impl local"
+            )
+        elif cls is ColumnParallelLinear and (
+            module.gather_output or module.sequence_parallel or not module.allreduce_dgrad
+        ):
             problems.append(f"{name} must be a plain column-parallel linear (no gather_output)")
-    if not isinstance(layer.cross_attention, IdentityOp) or not isinstance(layer.pre_cross_attn_layernorm, IdentityOp):
+    if not isinstance(layer.cross_attention, IdentityOp) or not isinstance(
+        layer.pre_cross_attn_layernorm, IdentityOp
+    ):
         problems.append("cross-attention is not supported")
     if not isinstance(layer.cross_attn_bda, IdentityFuncOp):
         problems.append("cross-attention bias-dropout-add is not supported")
     if layer.recompute_input_layernorm or layer.recompute_pre_mlp_layernorm or layer.recompute_mlp:
         problems.append("activation recompute is not supported")
-    if layer.offload_attn_norm or layer.offload_mlp_norm or getattr(attention, "offload_attn_proj", False):
+    if (
+        layer.offload_attn_norm
+        or layer.offload_mlp_norm
+        or getattr(attention, "offload_attn_proj", False)
+    ):
         problems.append("activation offloading is not supported")
     return problems

@@ -26,8 +26,9 @@ from megatron_domino.recorder import time_backward
 from megatron_domino.state import DominoRuntime
 
 
-def row_parallel_forward(module: RowParallelLinear, input_: torch.Tensor, *,
-                         runtime: DominoRuntime):
+def row_parallel_forward(
+    module: RowParallelLinear, input_: torch.Tensor, *, runtime: DominoRuntime
+):
     """Capture (core op) or run-and-launch (projection op) a row-parallel linear.
 
     Args:
@@ -45,10 +46,14 @@ def row_parallel_forward(module: RowParallelLinear, input_: torch.Tensor, *,
         chunk.deferred_input = input_
         return None, None
     if step.deferred_module is not None:
-        raise RuntimeError(f"Domino: an unexpected {type(module).__name__} ran inside the "
-                           f"{step.sublayer} core op; this module structure is unsupported.")
+        raise RuntimeError(
+            f"Domino: an unexpected {type(module).__name__} ran inside the "
+            f"{step.sublayer} core op; this module structure is unsupported."
+        )
     label = step.label("ar", runtime.recorder)
-    pending = PendingReduce(runtime.tp_group, label, bias=None if module.skip_bias_add else module.bias)
+    pending = PendingReduce(
+        runtime.tp_group, label, bias=None if module.skip_bias_add else module.bias
+    )
     k = runtime.config.column_chunks
     weight_pieces = module.weight.chunk(k, dim=0) if k > 1 else (module.weight,)
     for piece, weight in enumerate(weight_pieces):
@@ -72,10 +77,14 @@ def row_parallel_forward(module: RowParallelLinear, input_: torch.Tensor, *,
     return pending, module.bias if module.skip_bias_add else None
 
 
-def column_parallel_forward(module: ColumnParallelLinear, input_: torch.Tensor,
-                            weight: torch.Tensor | None = None,
-                            runtime_gather_output: bool | None = None, *,
-                            runtime: DominoRuntime):
+def column_parallel_forward(
+    module: ColumnParallelLinear,
+    input_: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    runtime_gather_output: bool | None = None,
+    *,
+    runtime: DominoRuntime,
+):
     """Column-parallel GEMM whose input-gradient all-reduce outlives its backward.
 
     Args:
@@ -90,7 +99,8 @@ def column_parallel_forward(module: ColumnParallelLinear, input_: torch.Tensor,
     if input_ is not chunk.linear_input or weight is not None or runtime_gather_output:
         raise RuntimeError(
             "Domino: a column-parallel linear received something other than the norm output "
-            "the schedule prepared for it; this Megatron-Core module structure is unsupported.")
+            "the schedule prepared for it; this Megatron-Core module structure is unsupported."
+        )
     slot, chunk.dgrad_slot = chunk.dgrad_slot, None
     accumulate = module.gradient_accumulation_fusion and hasattr(module.weight, "main_grad")
     bias = None if module.skip_bias_add else module.bias

@@ -64,24 +64,38 @@ def collective_spans(events: list[Event]) -> list[CollectiveSpan]:
     unwaited = [launches[c][1] for c in launches if WAIT_END not in waits.get(c, {})]
     if unwaited:
         first = unwaited[0]
-        raise ValueError(f"{len(unwaited)} collectives were never waited, e.g. {first.name} of "
-                         f"layer {first.layer} chunk {first.chunk} ({first.direction}).")
+        raise ValueError(
+            f"{len(unwaited)} collectives were never waited, e.g. {first.name} of "
+            f"layer {first.layer} chunk {first.chunk} ({first.direction})."
+        )
     spans = []
     order = {"fwd": 0, "bwd": 0}
     for collective, (launch_index, launch) in sorted(launches.items(), key=lambda kv: kv[1][0]):
         begin_index, wait_begin = waits[collective][WAIT_BEGIN]
         _, wait_end = waits[collective][WAIT_END]
-        overlapped_by = tuple(dict.fromkeys(
-            (e.name, e.layer, e.chunk, e.piece)
-            for e in events[launch_index + 1:begin_index]
-            if e.kind in (BEGIN, END) and e.direction == launch.direction
-            and (e.chunk != launch.chunk or e.piece != launch.piece)
-        ))
-        spans.append(CollectiveSpan(
-            name=launch.name, layer=launch.layer, chunk=launch.chunk, piece=launch.piece,
-            direction=launch.direction, launch_s=launch.time_s, wait_begin_s=wait_begin.time_s,
-            wait_end_s=wait_end.time_s, overlapped_by=overlapped_by, order=order[launch.direction],
-        ))
+        overlapped_by = tuple(
+            dict.fromkeys(
+                (e.name, e.layer, e.chunk, e.piece)
+                for e in events[launch_index + 1 : begin_index]
+                if e.kind in (BEGIN, END)
+                and e.direction == launch.direction
+                and (e.chunk != launch.chunk or e.piece != launch.piece)
+            )
+        )
+        spans.append(
+            CollectiveSpan(
+                name=launch.name,
+                layer=launch.layer,
+                chunk=launch.chunk,
+                piece=launch.piece,
+                direction=launch.direction,
+                launch_s=launch.time_s,
+                wait_begin_s=wait_begin.time_s,
+                wait_end_s=wait_end.time_s,
+                overlapped_by=overlapped_by,
+                order=order[launch.direction],
+            )
+        )
         order[launch.direction] += 1
     return spans
 

@@ -16,8 +16,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -59,8 +59,16 @@ class NullRecorder:
     def region(self, name: str, layer: int, chunk: int, direction: str = "fwd", piece: int = 0):
         return self._NULL_CONTEXT
 
-    def record(self, kind: str, name: str, layer: int, chunk: int, direction: str,
-               piece: int = 0, collective: int | None = None) -> None:
+    def record(
+        self,
+        kind: str,
+        name: str,
+        layer: int,
+        chunk: int,
+        direction: str,
+        piece: int = 0,
+        collective: int | None = None,
+    ) -> None:
         pass
 
     def new_collective_id(self) -> int | None:
@@ -81,27 +89,43 @@ class EventRecorder(NullRecorder):
     enabled = True
 
     def __init__(self, use_cuda_events: bool | None = None) -> None:
-        self.use_cuda_events = torch.cuda.is_available() if use_cuda_events is None else use_cuda_events
+        self.use_cuda_events = (
+            torch.cuda.is_available() if use_cuda_events is None else use_cuda_events
+        )
         self._raw: list[tuple[tuple, int, object]] = []
         self._ids = itertools.count()
 
     @contextlib.contextmanager
-    def region(self, name: str, layer: int, chunk: int, direction: str = "fwd",
-               piece: int = 0) -> Iterator[None]:
+    def region(
+        self, name: str, layer: int, chunk: int, direction: str = "fwd", piece: int = 0
+    ) -> Iterator[None]:
         self.record(BEGIN, name, layer, chunk, direction, piece)
         try:
             yield
         finally:
             self.record(END, name, layer, chunk, direction, piece)
 
-    def record(self, kind: str, name: str, layer: int, chunk: int, direction: str,
-               piece: int = 0, collective: int | None = None) -> None:
+    def record(
+        self,
+        kind: str,
+        name: str,
+        layer: int,
+        chunk: int,
+        direction: str,
+        piece: int = 0,
+        collective: int | None = None,
+    ) -> None:
         cuda_event = None
         if self.use_cuda_events:
             cuda_event = torch.cuda.Event(enable_timing=True)
             cuda_event.record()
-        self._raw.append(((kind, name, layer, chunk, piece, direction, collective),
-                          time.perf_counter_ns(), cuda_event))
+        self._raw.append(
+            (
+                (kind, name, layer, chunk, piece, direction, collective),
+                time.perf_counter_ns(),
+                cuda_event,
+            )
+        )
 
     def new_collective_id(self) -> int:
         return next(self._ids)
@@ -122,14 +146,23 @@ class EventRecorder(NullRecorder):
             t0 = self._raw[0][1]
             times = [(ns - t0) / 1e9 for _, ns, _ in self._raw]
         return [
-            Event(kind=k, name=n, layer=layer, chunk=c, piece=piece, direction=d, time_s=t,
-                  collective=coll)
-            for ((k, n, layer, c, piece, d, coll), _, _), t in zip(self._raw, times)
+            Event(
+                kind=k,
+                name=n,
+                layer=layer,
+                chunk=c,
+                piece=piece,
+                direction=d,
+                time_s=t,
+                collective=coll,
+            )
+            for ((k, n, layer, c, piece, d, coll), _, _), t in zip(self._raw, times, strict=True)
         ]
 
 
-def time_backward(tensor: torch.Tensor, recorder: NullRecorder, name: str, layer: int,
-                  chunk: int, piece: int = 0) -> None:
+def time_backward(
+    tensor: torch.Tensor, recorder: NullRecorder, name: str, layer: int, chunk: int, piece: int = 0
+) -> None:
     """Record region ``name`` in backward around the autograd node that produced ``tensor``.
 
     Uses the node's pre-hook and post-hook, so it adds no node to the graph and cannot change
@@ -138,5 +171,9 @@ def time_backward(tensor: torch.Tensor, recorder: NullRecorder, name: str, layer
     node = tensor.grad_fn
     if not recorder.enabled or node is None:
         return
-    node.register_prehook(lambda grad_outputs: recorder.record(BEGIN, name, layer, chunk, "bwd", piece))
-    node.register_hook(lambda grad_inputs, grad_outputs: recorder.record(END, name, layer, chunk, "bwd", piece))
+    node.register_prehook(
+        lambda grad_outputs: recorder.record(BEGIN, name, layer, chunk, "bwd", piece)
+    )
+    node.register_hook(
+        lambda grad_inputs, grad_outputs: recorder.record(END, name, layer, chunk, "bwd", piece)
+    )

@@ -35,7 +35,7 @@ layer is a segment that ends with every chunk's ``finish``.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -58,8 +58,9 @@ class LayerOps:
         attention_kwargs: rotary embeddings etc., shared by all chunks.
     """
 
-    def __init__(self, runtime: DominoRuntime, layer: TransformerLayer, index: int,
-                 attention_kwargs: dict) -> None:
+    def __init__(
+        self, runtime: DominoRuntime, layer: TransformerLayer, index: int, attention_kwargs: dict
+    ) -> None:
         self.runtime = runtime
         self.layer = layer
         self.index = index
@@ -85,11 +86,19 @@ class LayerOps:
     def attention_core(self, chunk: ChunkState) -> None:
         attention = self.layer.self_attention
         with self.runtime.acting_for(chunk, self.index, "attention", defer=attention.linear_proj):
-            attention(chunk.linear_input, attention_mask=chunk.attention_mask,
-                      attention_bias=chunk.attention_bias, **self.attention_kwargs)
+            attention(
+                chunk.linear_input,
+                attention_mask=chunk.attention_mask,
+                attention_bias=chunk.attention_bias,
+                **self.attention_kwargs,
+            )
 
     def projection(self, sublayer: str, chunk: ChunkState) -> None:
-        linear = self.layer.self_attention.linear_proj if sublayer == "attention" else self.layer.mlp.linear_fc2
+        linear = (
+            self.layer.self_attention.linear_proj
+            if sublayer == "attention"
+            else self.layer.mlp.linear_fc2
+        )
         with self.runtime.acting_for(chunk, self.index, sublayer):
             chunk.pending, chunk.pending_bias = linear(chunk.deferred_input)
         chunk.deferred_input = None
@@ -106,8 +115,9 @@ class LayerOps:
     def finish(self, chunk: ChunkState) -> None:
         """Wait for this layer's MLP all-reduce and add it to the residual stream."""
         hidden = self._bias_dropout_add(self.layer.mlp_bda, chunk)
-        chunk.hidden = make_viewless_tensor(inp=hidden, requires_grad=hidden.requires_grad,
-                                            keep_graph=True)
+        chunk.hidden = make_viewless_tensor(
+            inp=hidden, requires_grad=hidden.requires_grad, keep_graph=True
+        )
         chunk.residual = None
 
     def _bias_dropout_add(self, bda_module, chunk: ChunkState) -> torch.Tensor:
@@ -117,12 +127,17 @@ class LayerOps:
         layer = self.layer
         with layer.bias_dropout_add_exec_handler():
             return bda_module(layer.training, layer.config.bias_dropout_fusion)(
-                (output, bias), chunk.residual, layer.hidden_dropout)
+                (output, bias), chunk.residual, layer.hidden_dropout
+            )
 
-    def _place_dgrad_wait(self, normed: torch.Tensor, chunk: ChunkState, sublayer: str) -> torch.Tensor:
+    def _place_dgrad_wait(
+        self, normed: torch.Tensor, chunk: ChunkState, sublayer: str
+    ) -> torch.Tensor:
         """Put the backward wait of the next column linear's dX all-reduce on its input."""
         runtime = self.runtime
-        if not (runtime.config.backward_overlap and torch.is_grad_enabled() and normed.requires_grad):
+        if not (
+            runtime.config.backward_overlap and torch.is_grad_enabled() and normed.requires_grad
+        ):
             return normed
         label = CollectiveLabel(f"{sublayer}_dgrad_ar", self.index, chunk.index, runtime.recorder)
         chunk.dgrad_slot = DgradReduceSlot(runtime.tp_group, label)
@@ -143,8 +158,9 @@ def segment_ops(layer_ops: list[LayerOps]) -> list[tuple[str, int, Op]]:
     return sequence
 
 
-def run_wavefront(runtime: DominoRuntime, sequence: list[tuple[str, int, Op]],
-                  chunks: list[ChunkState]) -> None:
+def run_wavefront(
+    runtime: DominoRuntime, sequence: list[tuple[str, int, Op]], chunks: list[ChunkState]
+) -> None:
     """Run ``sequence`` on every chunk, chunk ``c`` lagging ``c`` ops behind chunk 0."""
     recorder = runtime.recorder
     for tick in range(len(sequence) + len(chunks) - 1):
@@ -156,10 +172,13 @@ def run_wavefront(runtime: DominoRuntime, sequence: list[tuple[str, int, Op]],
                     op(chunk)
 
 
-def run_layers(runtime: DominoRuntime, layers, chunks: list[ChunkState],
-               attention_kwargs: dict) -> None:
+def run_layers(
+    runtime: DominoRuntime, layers, chunks: list[ChunkState], attention_kwargs: dict
+) -> None:
     """Run all ``layers`` on ``chunks`` (in place), one segment or one per layer."""
-    layer_ops = [LayerOps(runtime, layer, index, attention_kwargs) for index, layer in enumerate(layers)]
+    layer_ops = [
+        LayerOps(runtime, layer, index, attention_kwargs) for index, layer in enumerate(layers)
+    ]
     segments = [layer_ops] if runtime.config.inter_layer else [[ops] for ops in layer_ops]
     for segment in segments:
         run_wavefront(runtime, segment_ops(segment), chunks)

@@ -77,7 +77,9 @@ class StepState:
     @property
     def pending_forward(self) -> list[ChunkState]:
         """Chunks with a forward collective still in flight."""
-        return [chunk for chunk in self.chunks if chunk.pending is not None and chunk.pending.in_flight]
+        return [
+            chunk for chunk in self.chunks if chunk.pending is not None and chunk.pending.in_flight
+        ]
 
     @property
     def pending_backward(self) -> list[DgradReduceSlot]:
@@ -88,8 +90,12 @@ class StepState:
 class DominoRuntime:
     """State shared by one model's patched modules: settings, group, recorder, current step."""
 
-    def __init__(self, config: DominoConfig, tp_group: dist.ProcessGroup,
-                 recorder: NullRecorder = NULL_RECORDER) -> None:
+    def __init__(
+        self,
+        config: DominoConfig,
+        tp_group: dist.ProcessGroup,
+        recorder: NullRecorder = NULL_RECORDER,
+    ) -> None:
         self.config = config
         self.tp_group = tp_group
         self.recorder = recorder
@@ -100,22 +106,26 @@ class DominoRuntime:
     def new_step(self, chunks: list[ChunkState]):
         """Run one forward call's schedule; on exit, check it drained and release its tensors."""
         if self.step is not None:
-            raise RuntimeError("A Domino step is already running on this model (re-entrant forward).")
+            raise RuntimeError(
+                "A Domino step is already running on this model (re-entrant forward)."
+            )
         self.step = StepState(chunks=chunks)
         try:
             yield self.step
             if self.step.pending_forward:
                 raise RuntimeError(
                     f"Domino bug: {len(self.step.pending_forward)} forward collectives still in "
-                    "flight at the end of the transformer block.")
+                    "flight at the end of the transformer block."
+                )
         finally:
             self.last_step, self.step = self.step, None
             # The chunks hold activations: keep only the backward slots past this call.
             self.last_step.chunks = []
 
     @contextlib.contextmanager
-    def acting_for(self, chunk: ChunkState, layer: int, sublayer: str, *,
-                   defer: torch.nn.Module | None = None):
+    def acting_for(
+        self, chunk: ChunkState, layer: int, sublayer: str, *, defer: torch.nn.Module | None = None
+    ):
         """Make ``chunk`` the one the patched linears act for during one op."""
         step = self.step
         step.active, step.layer, step.sublayer, step.deferred_module = chunk, layer, sublayer, defer

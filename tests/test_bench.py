@@ -17,8 +17,15 @@ from megatron_domino.bench.report import write_artefacts
 CASE = {
     "tensor_model_parallel_size": 2,
     "micro_batch_size": 4,
-    "model": dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,
-                  vocab_size=300, attention_dropout=0.0, hidden_dropout=0.0),
+    "model": dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        seq_length=16,
+        vocab_size=300,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    ),
     "domino": {"p2": {"chunks": 2}, "p1-k2": {"chunks": 1, "column_chunks": 2}},
 }
 
@@ -31,8 +38,9 @@ def _run_case() -> dict:
 
 def test_worker_metrics_and_artefacts(tmp_path):
     result = {"case": CASE, **run_on_ranks(_run_case, 2)[0]}
-    expected_arms = {"baseline", "oracle"} | {f"{kind}[{s}]" for kind in ("domino", "domino_noop")
-                                              for s in CASE["domino"]}
+    expected_arms = {"baseline", "oracle"} | {
+        f"{kind}[{s}]" for kind in ("domino", "domino_noop") for s in CASE["domino"]
+    }
     assert set(result["arms"]) == expected_arms
     for arm in result["arms"].values():
         for part in ("fwd", "bwd", "total"):
@@ -42,13 +50,22 @@ def test_worker_metrics_and_artefacts(tmp_path):
     assert [row["setting"] for row in rows] == ["p2", "p1-k2"]
     for row in rows:
         assert set(ROW_FIELDS) <= set(row)
-        assert all(math.isfinite(row[f]) for f in ("comm_share", "speedup", "chunk_overhead",
-                                                   "peak_mem_ratio"))
+        assert all(
+            math.isfinite(row[f])
+            for f in ("comm_share", "speedup", "chunk_overhead", "peak_mem_ratio")
+        )
     # Chunking keeps the same activations: the saved-for-backward bytes barely move.
     assert 0.9 < rows[0]["peak_mem_ratio"] < 1.2
 
-    case = {"name": "tiny", "link_mbit": None, **CASE, "arms": result["arms"], "rows": rows,
-            "timelines": result["timelines"], "peak_memory_bytes": result["peak_memory_bytes"]}
+    case = {
+        "name": "tiny",
+        "link_mbit": None,
+        **CASE,
+        "arms": result["arms"],
+        "rows": rows,
+        "timelines": result["timelines"],
+        "peak_memory_bytes": result["peak_memory_bytes"],
+    }
     written = write_artefacts(tmp_path, {"commit": "test", "cases": [case]})
     latest = json.loads((tmp_path / "latest.json").read_text())
     assert latest["cases"][0]["rows"][0]["setting"] == "p2"

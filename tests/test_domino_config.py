@@ -15,10 +15,18 @@ def _parse(*flags: str) -> argparse.Namespace:
 
 
 def test_flags_map_one_to_one_onto_fields():
-    args = _parse("--domino", "--domino-chunks", "4", "--domino-column-chunks", "2",
-                  "--no-domino-inter-layer", "--no-domino-backward-overlap")
+    args = _parse(
+        "--domino",
+        "--domino-chunks",
+        "4",
+        "--domino-column-chunks",
+        "2",
+        "--no-domino-inter-layer",
+        "--no-domino-backward-overlap",
+    )
     assert DominoConfig.from_args(args) == DominoConfig(
-        chunks=4, column_chunks=2, inter_layer=False, backward_overlap=False)
+        chunks=4, column_chunks=2, inter_layer=False, backward_overlap=False
+    )
     parser_dests = {a.dest for a in add_domino_args(argparse.ArgumentParser())._actions}
     assert {f.name for f in dataclasses.fields(DominoConfig)} <= parser_dests
 
@@ -26,16 +34,20 @@ def test_flags_map_one_to_one_onto_fields():
 def test_defaults_and_off():
     assert DominoConfig.from_args(_parse()) is None
     assert DominoConfig.from_args(_parse("--domino")) == DominoConfig()
-    assert DominoConfig() == DominoConfig(chunks=2, column_chunks=1, inter_layer=True,
-                                          backward_overlap=True)
+    assert DominoConfig() == DominoConfig(
+        chunks=2, column_chunks=1, inter_layer=True, backward_overlap=True
+    )
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    (dict(chunks=0), "--domino-chunks must be an integer >= 1"),
-    (dict(column_chunks=-1), "--domino-column-chunks must be an integer >= 1"),
-    (dict(chunks=True), "--domino-chunks must be an integer"),
-    (dict(chunks=1, column_chunks=1), "nothing to overlap"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        (dict(chunks=0), "--domino-chunks must be an integer >= 1"),
+        (dict(column_chunks=-1), "--domino-column-chunks must be an integer >= 1"),
+        (dict(chunks=True), "--domino-chunks must be an integer"),
+        (dict(chunks=1, column_chunks=1), "nothing to overlap"),
+    ],
+)
 def test_invalid_values_are_rejected_when_built(kwargs, words):
     with pytest.raises(DominoConfigError, match=words):
         DominoConfig(**kwargs)
@@ -48,9 +60,13 @@ def test_invalid_flags_fail_at_parse_time():
 
 def test_shape_checks_name_the_numbers_and_the_fix():
     config = DominoConfig(chunks=4, column_chunks=3)
-    with pytest.raises(DominoConfigError, match="--micro-batch-size 6 is not divisible by --domino-chunks 4"):
+    with pytest.raises(
+        DominoConfigError, match="--micro-batch-size 6 is not divisible by --domino-chunks 4"
+    ):
         config.check_shapes(micro_batch_size=6, hidden_size=96)
-    with pytest.raises(DominoConfigError, match="--hidden-size 128 is not divisible by --domino-column-chunks 3"):
+    with pytest.raises(
+        DominoConfigError, match="--hidden-size 128 is not divisible by --domino-column-chunks 3"
+    ):
         config.check_shapes(micro_batch_size=8, hidden_size=128)
     config.check_shapes(micro_batch_size=8, hidden_size=96)
 

@@ -29,17 +29,31 @@ from megatron_domino.integration import apply_domino
 MICRO_BATCH = 4
 TOLERANCE = {torch.float32: dict(atol=1e-6, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
-_TINY = dict(num_layers=2, hidden_size=64, seq_length=16, vocab_size=300,
-             attention_dropout=0.0, hidden_dropout=0.0)
+_TINY = dict(
+    num_layers=2,
+    hidden_size=64,
+    seq_length=16,
+    vocab_size=300,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+)
 MODELS = {
     "layernorm-gelu-learned-bias-mha": GPTOptions(**_TINY, num_attention_heads=8),
     "rmsnorm-swiglu-rope-gqa-nobias": GPTOptions(
-        **_TINY, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=96,
-        normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-        add_bias_linear=False, untie_embeddings_and_output_weights=True),
+        **_TINY,
+        num_attention_heads=8,
+        num_query_groups=4,
+        ffn_hidden_size=96,
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+    ),
 }
 MODELS["rmsnorm-swiglu-rope-gqa-nobias-bf16"] = dataclasses.replace(
-    MODELS["rmsnorm-swiglu-rope-gqa-nobias"], bf16=True)
+    MODELS["rmsnorm-swiglu-rope-gqa-nobias"], bf16=True
+)
 
 SETTINGS = {
     "p2": dict(chunks=2),
@@ -91,23 +105,37 @@ def _compare_settings(model_names: list[str], setting_names: list[str]) -> dict:
             with apply_domino(model, DominoConfig(**SETTINGS[setting])) as handle:
                 result = _forward_backward(model, batch)
                 step = handle.runtime.last_step
-                assert not step.pending_forward and not step.pending_backward, "handles left pending"
+                assert not step.pending_forward and not step.pending_backward, (
+                    "handles left pending"
+                )
                 launched = len(step.dgrad_slots)
             loss, grads = result
-            torch.testing.assert_close(loss, reference[0], **tolerance,
-                                       msg=lambda m, s=setting: f"{model_name} {s} loss: {m}")
+            torch.testing.assert_close(
+                loss,
+                reference[0],
+                **tolerance,
+                msg=lambda m, s=setting, mn=model_name: f"{mn} {s} loss: {m}",
+            )
             for name, grad in reference[1].items():
-                torch.testing.assert_close(grads[name], grad, **tolerance,
-                                           msg=lambda m, n=name, s=setting: f"{model_name} {s} {n}: {m}")
-            report[(model_name, setting)] = {"max_error": _max_error(result, reference),
-                                             "dgrad_slots": launched}
+                torch.testing.assert_close(
+                    grads[name],
+                    grad,
+                    **tolerance,
+                    msg=lambda m, n=name, s=setting, mn=model_name: f"{mn} {s} {n}: {m}",
+                )
+            report[(model_name, setting)] = {
+                "max_error": _max_error(result, reference),
+                "dgrad_slots": launched,
+            }
         after_revert = _forward_backward(model, batch)
         assert _max_error(after_revert, reference) == 0.0, "revert did not restore stock behaviour"
     return report
 
 
 def test_every_setting_matches_stock_megatron_at_tp2():
-    reports = run_on_ranks(_compare_settings, 2, args=(sorted(MODELS), sorted(SETTINGS)), timeout_s=300)
+    reports = run_on_ranks(
+        _compare_settings, 2, args=(sorted(MODELS), sorted(SETTINGS)), timeout_s=300
+    )
     for (model_name, setting), row in reports[0].items():
         # Two linears with an input-gradient all-reduce per layer and chunk.
         chunks = SETTINGS[setting].get("chunks", 2)
@@ -117,16 +145,21 @@ def test_every_setting_matches_stock_megatron_at_tp2():
 
 @pytest.mark.parametrize("tp", [4, 8])
 def test_domino_matches_stock_megatron_at_larger_tp(tp):
-    run_on_ranks(_compare_settings, tp, args=(["layernorm-gelu-learned-bias-mha"], ["p2", "p2-k4"]),
-                 timeout_s=300)
+    run_on_ranks(
+        _compare_settings,
+        tp,
+        args=(["layernorm-gelu-learned-bias-mha"], ["p2", "p2-k4"]),
+        timeout_s=300,
+    )
 
 
 def _dropout_is_identical_across_tp_ranks() -> list[float]:
     """With dropout on, every TP rank must draw the same hidden-dropout masks per chunk."""
     import torch.distributed as dist
 
-    options = dataclasses.replace(MODELS["layernorm-gelu-learned-bias-mha"],
-                                  hidden_dropout=0.2, attention_dropout=0.2)
+    options = dataclasses.replace(
+        MODELS["layernorm-gelu-learned-bias-mha"], hidden_dropout=0.2, attention_dropout=0.2
+    )
     model = build_gpt_model(options)
     batch = _batch(options)
     with apply_domino(model, DominoConfig(chunks=2)):

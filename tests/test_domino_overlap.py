@@ -26,8 +26,15 @@ from megatron_domino.overlap import collective_spans
 from megatron_domino.recorder import BEGIN, EventRecorder
 
 LAYERS = 3
-OPTIONS = GPTOptions(num_layers=LAYERS, hidden_size=64, num_attention_heads=4, seq_length=16,
-                     vocab_size=300, attention_dropout=0.0, hidden_dropout=0.0)
+OPTIONS = GPTOptions(
+    num_layers=LAYERS,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=300,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+)
 SETTINGS = {
     "p2": dict(chunks=2),
     "p4": dict(chunks=4),
@@ -44,20 +51,31 @@ def _record_steps() -> dict:
 
     model = build_gpt_model(OPTIONS)
     s = OPTIONS.seq_length
-    tokens = torch.randint(0, OPTIONS.vocab_size, (4, s), generator=torch.Generator().manual_seed(0))
-    batch = dict(input_ids=tokens, position_ids=torch.arange(s).expand(4, s),
-                 attention_mask=causal_attention_mask(s, "cpu"), labels=tokens)
+    tokens = torch.randint(
+        0, OPTIONS.vocab_size, (4, s), generator=torch.Generator().manual_seed(0)
+    )
+    batch = dict(
+        input_ids=tokens,
+        position_ids=torch.arange(s).expand(4, s),
+        attention_mask=causal_attention_mask(s, "cpu"),
+        labels=tokens,
+    )
     recorded = {}
     for name, settings in SETTINGS.items():
         recorder = EventRecorder()
         with apply_domino(model, DominoConfig(**settings), recorder=recorder) as handle:
             loss = model(**batch).mean()
-            pending_after_forward = (len(handle.runtime.last_step.pending_forward),
-                                     len(handle.runtime.last_step.pending_backward))
+            pending_after_forward = (
+                len(handle.runtime.last_step.pending_forward),
+                len(handle.runtime.last_step.pending_backward),
+            )
             loss.backward()
             pending_after_backward = len(handle.runtime.last_step.pending_backward)
-        recorded[name] = dict(events=recorder.events(), after_forward=pending_after_forward,
-                              after_backward=pending_after_backward)
+        recorded[name] = dict(
+            events=recorder.events(),
+            after_forward=pending_after_forward,
+            after_backward=pending_after_backward,
+        )
     return recorded
 
 
@@ -93,7 +111,8 @@ def test_column_pieces_overlap_the_next_piece_at_one_chunk(recorded):
     spans = collective_spans(recorded["p1-k2"]["events"])
     first_pieces = [s for s in spans if s.direction == "fwd" and s.piece == 0]
     assert first_pieces and all(
-        any(region[3] == 1 for region in s.overlapped_by) for s in first_pieces)
+        any(region[3] == 1 for region in s.overlapped_by) for s in first_pieces
+    )
 
 
 def test_intra_layer_mode_drains_each_layer(recorded):
@@ -101,16 +120,28 @@ def test_intra_layer_mode_drains_each_layer(recorded):
     events = recorded["p2-intra-layer"]["events"]
     spans = collective_spans(events)
     for layer in range(1, LAYERS):
-        last_wait = max(s.wait_end_s for s in spans
-                        if s.direction == "fwd" and s.layer == layer - 1 and s.name == "mlp_ar")
-        first_start = min(e.time_s for e in events
-                          if e.kind == BEGIN and e.direction == "fwd" and e.layer == layer)
+        last_wait = max(
+            s.wait_end_s
+            for s in spans
+            if s.direction == "fwd" and s.layer == layer - 1 and s.name == "mlp_ar"
+        )
+        first_start = min(
+            e.time_s
+            for e in events
+            if e.kind == BEGIN and e.direction == "fwd" and e.layer == layer
+        )
         assert last_wait <= first_start
 
 
 def test_inter_layer_mode_carries_the_mlp_all_reduce_into_the_next_layer(recorded):
     events = recorded["p2"]["events"]
     spans = collective_spans(events)
-    carried = [s for s in spans if s.direction == "fwd" and s.name == "mlp_ar" and s.layer < LAYERS - 1
-               and any(region[1] == s.layer + 1 for region in s.overlapped_by)]
+    carried = [
+        s
+        for s in spans
+        if s.direction == "fwd"
+        and s.name == "mlp_ar"
+        and s.layer < LAYERS - 1
+        and any(region[1] == s.layer + 1 for region in s.overlapped_by)
+    ]
     assert len(carried) == LAYERS - 1

@@ -17,8 +17,15 @@ from megatron_domino.gpt_model import GPTOptions, build_gpt_model, causal_attent
 from megatron_domino.integration import apply_domino
 from megatron_domino.version import UnsupportedMegatronVersion, check_megatron_core_version
 
-OPTIONS = GPTOptions(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16,
-                     vocab_size=300, attention_dropout=0.0, hidden_dropout=0.0)
+OPTIONS = GPTOptions(
+    num_layers=2,
+    hidden_size=64,
+    num_attention_heads=4,
+    seq_length=16,
+    vocab_size=300,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+)
 
 #: (TransformerConfig attribute, value that must be refused, words the message must contain)
 REFUSED = [
@@ -35,9 +42,15 @@ REFUSED = [
 
 def _batch(micro_batch: int) -> dict:
     s = OPTIONS.seq_length
-    tokens = torch.randint(0, OPTIONS.vocab_size, (micro_batch, s), generator=torch.Generator().manual_seed(0))
-    return dict(input_ids=tokens, position_ids=torch.arange(s).expand(micro_batch, s),
-                attention_mask=causal_attention_mask(s, "cpu"), labels=tokens)
+    tokens = torch.randint(
+        0, OPTIONS.vocab_size, (micro_batch, s), generator=torch.Generator().manual_seed(0)
+    )
+    return dict(
+        input_ids=tokens,
+        position_ids=torch.arange(s).expand(micro_batch, s),
+        attention_mask=causal_attention_mask(s, "cpu"),
+        labels=tokens,
+    )
 
 
 def _refusals_on_tp2() -> dict:
@@ -53,7 +66,9 @@ def _refusals_on_tp2() -> dict:
             messages[name] = str(error.value)
         finally:
             setattr(config, name, original)
-        assert not any("forward" in vars(m) for m in model.modules()), "a refused apply patched something"
+        assert not any("forward" in vars(m) for m in model.modules()), (
+            "a refused apply patched something"
+        )
 
     with pytest.raises(DominoUnsupportedError) as error:
         apply_domino(model, DominoConfig(chunks=1, column_chunks=3))
@@ -105,7 +120,7 @@ def _revert_restores_stock() -> bool:
     assert not any("forward" in vars(m) for m in model.modules())
     assert forwards == {name: type(m).forward for name, m in model.named_modules()}
     after = _stock_results(model, batch)
-    return all(torch.equal(a, b) for a, b in zip(before, after))
+    return all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
 
 
 def test_revert_restores_stock_behaviour_bit_for_bit():

@@ -38,37 +38,86 @@ from megatron_domino.bench.report import markdown_table, write_artefacts
 #: efficiency and pay for accumulating each weight gradient once per chunk, which is not the
 #: regime of real training (thousands of tokens per chunk). h = 1024 keeps gloo's CPU cost per
 #: byte small next to the wire time at a 25-45 % communication share.
-_MODEL = dict(num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=256,
-              vocab_size=1024, attention_dropout=0.0, hidden_dropout=0.0)
+_MODEL = dict(
+    num_layers=4,
+    hidden_size=1024,
+    num_attention_heads=16,
+    seq_length=256,
+    vocab_size=1024,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+)
 CASES = {
     "gpt-h1024": dict(model=_MODEL, micro_batch_size=4),
     "llama-h1024": dict(
-        model=dict(_MODEL, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-                   num_query_groups=4, add_bias_linear=False, ffn_hidden_size=2816),
-        micro_batch_size=4),
+        model=dict(
+            _MODEL,
+            normalization="RMSNorm",
+            swiglu=True,
+            position_embedding_type="rope",
+            num_query_groups=4,
+            add_bias_linear=False,
+            ffn_hidden_size=2816,
+        ),
+        micro_batch_size=4,
+    ),
 }
-SETTINGS = {"p2": dict(chunks=2), "p4": dict(chunks=4), "p2-k2": dict(chunks=2, column_chunks=2),
-            "p1-k2": dict(chunks=1, column_chunks=2)}
+SETTINGS = {
+    "p2": dict(chunks=2),
+    "p4": dict(chunks=4),
+    "p2-k2": dict(chunks=2, column_chunks=2),
+    "p1-k2": dict(chunks=1, column_chunks=2),
+}
 QUICK = dict(cases=["gpt-h1024"], settings=["p2", "p2-k2"], iters=5, warmup=1)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m megatron_domino.bench",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="One shape, two settings, few iterations (under 5 minutes).")
-    parser.add_argument("--link-mbit", type=float, default=None,
-                        help="Loopback rate in Mbit/s; default: calibrated per case.")
-    parser.add_argument("--target-comm-share", type=float, default=0.35,
-                        help="Baseline communication share the calibration aims for. Default 0.35.")
-    parser.add_argument("--iters", type=int, default=12, help="Measured iterations per arm. Default 12.")
-    parser.add_argument("--warmup", type=int, default=2, help="Warm-up iterations per arm. Default 2.")
-    parser.add_argument("--cases", nargs="+", choices=sorted(CASES), default=sorted(CASES),
-                        help="Model shapes to run.")
-    parser.add_argument("--settings", nargs="+", choices=sorted(SETTINGS), default=list(SETTINGS),
-                        help="Domino settings to run for each shape.")
-    parser.add_argument("--out-dir", type=Path, default=Path("bench_results"),
-                        help="Where latest.json, table.md and the plots go. Default bench_results/.")
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_domino.bench", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="One shape, two settings, few iterations (under 5 minutes).",
+    )
+    parser.add_argument(
+        "--link-mbit",
+        type=float,
+        default=None,
+        help="Loopback rate in Mbit/s; default: calibrated per case.",
+    )
+    parser.add_argument(
+        "--target-comm-share",
+        type=float,
+        default=0.35,
+        help="Baseline communication share the calibration aims for. Default 0.35.",
+    )
+    parser.add_argument(
+        "--iters", type=int, default=12, help="Measured iterations per arm. Default 12."
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=2, help="Warm-up iterations per arm. Default 2."
+    )
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        choices=sorted(CASES),
+        default=sorted(CASES),
+        help="Model shapes to run.",
+    )
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        choices=sorted(SETTINGS),
+        default=list(SETTINGS),
+        help="Domino settings to run for each shape.",
+    )
+    parser.add_argument(
+        "--out-dir",
+        type=Path,
+        default=Path("bench_results"),
+        help="Where latest.json, table.md and the plots go. Default bench_results/.",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         for name, value in QUICK.items():
@@ -83,11 +132,27 @@ def _run_worker(case: dict, iters: int, warmup: int) -> dict:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                   str(case["tensor_model_parallel_size"]), "--master-addr", "127.0.0.1",
-                   "--master-port", str(port), "-m", "megatron_domino.bench.worker",
-                   "--case", json.dumps(case), "--iters", str(iters), "--warmup", str(warmup),
-                   "--out", str(out)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(case["tensor_model_parallel_size"]),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-m",
+            "megatron_domino.bench.worker",
+            "--case",
+            json.dumps(case),
+            "--iters",
+            str(iters),
+            "--warmup",
+            str(warmup),
+            "--out",
+            str(out),
+        ]
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
         subprocess.run(command, env=env, check=True)
         return json.loads(out.read_text())
@@ -113,8 +178,10 @@ def _calibrated_rate(case: dict, target: float) -> float:
     for _ in range(2):
         share = _comm_share(case, rate)
         new_rate = rate * (share / (1 - share)) / (target / (1 - target))
-        print(f"  calibration: comm share {share:.0%} at {rate:.0f} Mbit/s -> {new_rate:.0f} Mbit/s",
-              flush=True)
+        print(
+            f"  calibration: comm share {share:.0%} at {rate:.0f} Mbit/s -> {new_rate:.0f} Mbit/s",
+            flush=True,
+        )
         rate = min(max(new_rate, 20.0), 40000.0)
     return rate
 
@@ -145,25 +212,44 @@ def main(argv=None) -> int:
         reason = namespace_unavailable_reason()
         if reason is None:
             return reexec_in_private_namespace(raw_argv)
-        print(f"WARNING: cannot rate-limit a private loopback ({reason}); running on plain "
-              "loopback, where gloo is CPU-bound and competes with compute, so hidden fractions "
-              "understate what a wire-bound interconnect allows.", flush=True)
+        print(
+            f"WARNING: cannot rate-limit a private loopback ({reason}); running on plain "
+            "loopback, where gloo is CPU-bound and competes with compute, so hidden fractions "
+            "understate what a wire-bound interconnect allows.",
+            flush=True,
+        )
     cases = []
     for index, name in enumerate(args.cases, 1):
-        case = dict(CASES[name], tensor_model_parallel_size=2,
-                    domino={s: SETTINGS[s] for s in args.settings})
+        case = dict(
+            CASES[name],
+            tensor_model_parallel_size=2,
+            domino={s: SETTINGS[s] for s in args.settings},
+        )
         print(f"[{index}/{len(args.cases)}] {name}: {case['model']}", flush=True)
         rate = None
         if shaped:
             rate = args.link_mbit or _calibrated_rate(case, args.target_comm_share)
             shape_loopback(rate)
         result = _run_worker(case, args.iters, args.warmup)
-        cases.append({"name": name, "link_mbit": rate, **case, "arms": result["arms"],
-                      "rows": setting_rows(result), "timelines": result["timelines"],
-                      "peak_memory_bytes": result["peak_memory_bytes"]})
+        cases.append(
+            {
+                "name": name,
+                "link_mbit": rate,
+                **case,
+                "arms": result["arms"],
+                "rows": setting_rows(result),
+                "timelines": result["timelines"],
+                "peak_memory_bytes": result["peak_memory_bytes"],
+            }
+        )
     link = "private namespace, tc tbf rate-limited loopback" if shaped else "plain loopback"
-    run = {**_environment(link), "iters": args.iters, "warmup": args.warmup,
-           "command": "python -m megatron_domino.bench " + " ".join(raw_argv), "cases": cases}
+    run = {
+        **_environment(link),
+        "iters": args.iters,
+        "warmup": args.warmup,
+        "command": "python -m megatron_domino.bench " + " ".join(raw_argv),
+        "cases": cases,
+    }
     written = write_artefacts(args.out_dir, run)
     print(markdown_table(cases))
     print("wrote " + ", ".join(str(p) for p in written))

@@ -43,14 +43,31 @@ def reexec_in_private_namespace(argv: list[str]) -> int:
     # TCP restarts slow start after an idle gap (between steps), which a real interconnect's
     # collectives library does not suffer; switch it off in the private namespace.
     setup = "ip link set lo up && sysctl -qw net.ipv4.tcp_slow_start_after_idle=0"
-    return subprocess.run(["unshare", "--net", "sh", "-c", f"{setup} && exec {quoted}"],
-                          env=env).returncode
+    return subprocess.run(
+        ["unshare", "--net", "sh", "-c", f"{setup} && exec {quoted}"], env=env
+    ).returncode
 
 
 def shape_loopback(rate_mbit: float) -> None:
     """Limit the namespace's loopback to ``rate_mbit`` Mbit/s (both directions share it)."""
-    subprocess.run(["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate",
-                    f"{rate_mbit:.0f}mbit", "burst", "256kb", "latency", "50ms"], check=True)
+    subprocess.run(
+        [
+            "tc",
+            "qdisc",
+            "replace",
+            "dev",
+            "lo",
+            "root",
+            "tbf",
+            "rate",
+            f"{rate_mbit:.0f}mbit",
+            "burst",
+            "256kb",
+            "latency",
+            "50ms",
+        ],
+        check=True,
+    )
 
 
 def _quote(part: str) -> str:

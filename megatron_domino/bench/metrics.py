@@ -14,9 +14,19 @@ from __future__ import annotations
 
 #: Fields every per-setting row of ``latest.json`` carries (tests check them).
 ROW_FIELDS = (
-    "setting", "chunks", "column_chunks", "comm_share", "hidden_fraction", "hidden_fraction_fwd",
-    "hidden_fraction_bwd", "speedup", "chunk_overhead", "peak_mem_ratio", "arms",
-    "recorder_overlapped_fraction_fwd", "recorder_overlapped_fraction_bwd",
+    "setting",
+    "chunks",
+    "column_chunks",
+    "comm_share",
+    "hidden_fraction",
+    "hidden_fraction_fwd",
+    "hidden_fraction_bwd",
+    "speedup",
+    "chunk_overhead",
+    "peak_mem_ratio",
+    "arms",
+    "recorder_overlapped_fraction_fwd",
+    "recorder_overlapped_fraction_bwd",
 )
 
 
@@ -26,7 +36,11 @@ def _median(arms: dict, arm: str, part: str = "total") -> float:
 
 def _hidden(arms: dict, domino_arm: str, part: str) -> float:
     base, oracle = _median(arms, "baseline", part), _median(arms, "oracle", part)
-    return (base - _median(arms, domino_arm, part)) / (base - oracle) if base > oracle else float("nan")
+    return (
+        (base - _median(arms, domino_arm, part)) / (base - oracle)
+        if base > oracle
+        else float("nan")
+    )
 
 
 def setting_rows(result: dict) -> list[dict]:
@@ -36,21 +50,24 @@ def setting_rows(result: dict) -> list[dict]:
     for setting, domino in case["domino"].items():
         arm, noop = f"domino[{setting}]", f"domino_noop[{setting}]"
         overlap = result["recorder_overlap"][setting]
-        rows.append({
-            "setting": setting,
-            "chunks": domino.get("chunks", 2),
-            "column_chunks": domino.get("column_chunks", 1),
-            "comm_share": 1 - _median(arms, "oracle") / _median(arms, "baseline"),
-            "hidden_fraction": _hidden(arms, arm, "total"),
-            "hidden_fraction_fwd": _hidden(arms, arm, "fwd"),
-            "hidden_fraction_bwd": _hidden(arms, arm, "bwd"),
-            "speedup": _median(arms, "baseline") / _median(arms, arm),
-            "chunk_overhead": _median(arms, noop) / _median(arms, "oracle"),
-            "peak_mem_ratio": result["peak_memory_bytes"][arm] / result["peak_memory_bytes"]["baseline"],
-            "arms": {name: arms[name]["total"] for name in ("baseline", "oracle", arm, noop)},
-            "recorder_overlapped_fraction_fwd": _overlapped(overlap["fwd"]),
-            "recorder_overlapped_fraction_bwd": _overlapped(overlap["bwd"]),
-        })
+        rows.append(
+            {
+                "setting": setting,
+                "chunks": domino.get("chunks", 2),
+                "column_chunks": domino.get("column_chunks", 1),
+                "comm_share": 1 - _median(arms, "oracle") / _median(arms, "baseline"),
+                "hidden_fraction": _hidden(arms, arm, "total"),
+                "hidden_fraction_fwd": _hidden(arms, arm, "fwd"),
+                "hidden_fraction_bwd": _hidden(arms, arm, "bwd"),
+                "speedup": _median(arms, "baseline") / _median(arms, arm),
+                "chunk_overhead": _median(arms, noop) / _median(arms, "oracle"),
+                "peak_mem_ratio": result["peak_memory_bytes"][arm]
+                / result["peak_memory_bytes"]["baseline"],
+                "arms": {name: arms[name]["total"] for name in ("baseline", "oracle", arm, noop)},
+                "recorder_overlapped_fraction_fwd": _overlapped(overlap["fwd"]),
+                "recorder_overlapped_fraction_bwd": _overlapped(overlap["bwd"]),
+            }
+        )
     return rows
 
 

@@ -10,7 +10,7 @@ collective; calls on other groups (data parallel, barriers) run unchanged.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch.distributed as dist
 

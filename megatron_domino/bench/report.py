@@ -30,7 +30,8 @@ def markdown_table(cases: list[dict]) -> str:
                 f"| {arms['oracle']['median_s'] * 1e3:.0f} | {row['comm_share']:.0%} "
                 f"| {row['hidden_fraction']:.0%} | {row['hidden_fraction_fwd']:.0%} "
                 f"| {row['hidden_fraction_bwd']:.0%} | {row['speedup']:.3f} "
-                f"| {row['chunk_overhead']:.3f} | {row['peak_mem_ratio']:.3f} |\n")
+                f"| {row['chunk_overhead']:.3f} | {row['peak_mem_ratio']:.3f} |\n"
+            )
     return "".join(lines)
 
 
@@ -60,15 +61,22 @@ def _plot_arms(path: Path, case: dict) -> Path:
     arms = case["arms"]
     names = list(arms)
     medians = [arms[n]["total"]["median_s"] * 1e3 for n in names]
-    low = [m - arms[n]["total"]["min_s"] * 1e3 for m, n in zip(medians, names)]
-    high = [arms[n]["total"]["max_s"] * 1e3 - m for m, n in zip(medians, names)]
+    low = [m - arms[n]["total"]["min_s"] * 1e3 for m, n in zip(medians, names, strict=True)]
+    high = [arms[n]["total"]["max_s"] * 1e3 - m for m, n in zip(medians, names, strict=True)]
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(names)), 4))
-    ax.bar(range(len(names)), medians, yerr=[low, high], capsize=4,
-           color=["#888" if n == "baseline" else "#4a4" if n == "oracle" else "#47c" for n in names])
+    ax.bar(
+        range(len(names)),
+        medians,
+        yerr=[low, high],
+        capsize=4,
+        color=["#888" if n == "baseline" else "#4a4" if n == "oracle" else "#47c" for n in names],
+    )
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
     ax.set_ylabel("iteration time, ms (median, min-max)")
-    ax.set_title(f"{case['name']}: TP={case['tensor_model_parallel_size']}, "
-                 f"link {case['link_mbit'] or 'plain loopback'} Mbit/s")
+    ax.set_title(
+        f"{case['name']}: TP={case['tensor_model_parallel_size']}, "
+        f"link {case['link_mbit'] or 'plain loopback'} Mbit/s"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -82,7 +90,7 @@ def _plot_timeline(path: Path, case: dict) -> Path:
     setting = next(iter(case["timelines"]))
     events = case["timelines"][setting]
     fig, axes = plt.subplots(2, 1, figsize=(12, 5))
-    for ax, direction in zip(axes, ("fwd", "bwd")):
+    for ax, direction in zip(axes, ("fwd", "bwd"), strict=True):
         chosen = [e for e in events if e["direction"] == direction]
         if not chosen:
             continue
@@ -101,10 +109,14 @@ def _plot_timeline(path: Path, case: dict) -> Path:
                 start = opened.pop(("launch",) + key)
                 lane = len(chunks) + e["chunk"]
                 ax.barh(lane, t - start, left=start, height=0.6, color="#e83", alpha=0.5)
-        ax.set_yticks(range(2 * len(chunks)),
-                      [f"chunk {c} compute" for c in chunks] + [f"chunk {c} collectives" for c in chunks])
+        ax.set_yticks(
+            range(2 * len(chunks)),
+            [f"chunk {c} compute" for c in chunks] + [f"chunk {c} collectives" for c in chunks],
+        )
         ax.set_xlabel(f"{'forward' if direction == 'fwd' else 'backward'} time, ms")
-    fig.suptitle(f"{case['name']}, Domino {setting}: compute (blue) and collectives in flight (orange)")
+    fig.suptitle(
+        f"{case['name']}, Domino {setting}: compute (blue) and collectives in flight (orange)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -119,6 +119,7 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
                     kwargs = {"recorder": recorder} if recorder is not None else {}
                     stack.enter_context(apply_domino(model, domino, **kwargs))
                 yield
+
         return context
 
     arms = {"baseline": arm(None, False), "oracle": arm(None, True)}
@@ -131,8 +132,11 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
     rank0 = dist.get_rank() == 0
     for iteration in range(warmup + iters):
         if rank0:
-            print(f"  iteration {iteration + 1}/{warmup + iters} ({len(names)} arms)"
-                  f"{' [warm-up]' if iteration < warmup else ''}", flush=True)
+            print(
+                f"  iteration {iteration + 1}/{warmup + iters} ({len(names)} arms)"
+                f"{' [warm-up]' if iteration < warmup else ''}",
+                flush=True,
+            )
         shift = iteration % len(names)
         for name in names[shift:] + names[:shift]:
             with arms[name]():
@@ -159,7 +163,9 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
         with arms[name]():
             peak_memory[name] = _peak_memory_bytes(model, batch)
     return {
-        "arms": {name: {part: _stats(v) for part, v in parts.items()} for name, parts in samples.items()},
+        "arms": {
+            name: {part: _stats(v) for part, v in parts.items()} for name, parts in samples.items()
+        },
         "samples": samples,
         "recorder_overlap": overlap,
         "timelines": timelines,
