@@ -56,15 +56,23 @@ class LayerOps:
         layer: the Megatron-Core layer whose submodules the ops call.
         index: the layer's 0-based position in the block (for labels).
         attention_kwargs: rotary embeddings etc., shared by all chunks.
+        previous: the layer before in the same segment, whose MLP all-reduce this layer's
+            ``attention_norm`` finishes (inter-layer overlap); ``None`` for a segment's first.
     """
 
     def __init__(
-        self, runtime: DominoRuntime, layer: TransformerLayer, index: int, attention_kwargs: dict
+        self,
+        runtime: DominoRuntime,
+        layer: TransformerLayer,
+        index: int,
+        attention_kwargs: dict,
+        previous: LayerOps | None,
     ) -> None:
         self.runtime = runtime
         self.layer = layer
         self.index = index
         self.attention_kwargs = attention_kwargs
+        self.previous = previous
 
     def ops(self) -> list[tuple[str, Op]]:
         return [
@@ -76,9 +84,9 @@ class LayerOps:
             ("mlp_projection", functools.partial(self.projection, "mlp")),
         ]
 
-    def attention_norm(self, chunk: ChunkState, previous: LayerOps | None) -> None:
-        if chunk.pending is not None:
-            previous.finish(chunk)
+    def attention_norm(self, chunk: ChunkState) -> None:
+        if self.previous is not None:
+            self.previous.finish(chunk)
         chunk.residual = chunk.hidden
         normed = self.layer.input_layernorm(chunk.hidden)
         chunk.linear_input = self._place_dgrad_wait(normed, chunk, "attention")
@@ -147,13 +155,7 @@ class LayerOps:
 
 def segment_ops(layer_ops: list[LayerOps]) -> list[tuple[str, int, Op]]:
     """The op sequence of one segment: six ops per layer, then the last layer's finish."""
-    sequence = []
-    for position, ops in enumerate(layer_ops):
-        previous = layer_ops[position - 1] if position else None
-        for name, op in ops.ops():
-            if name == "attention_norm":
-                op = functools.partial(op, previous=previous)
-            sequence.append((name, ops.index, op))
+    sequence = [(name, ops.index, op) for ops in layer_ops for name, op in ops.ops()]
     sequence.append(("finish", layer_ops[-1].index, layer_ops[-1].finish))
     return sequence
 
@@ -176,9 +178,14 @@ def run_layers(
     runtime: DominoRuntime, layers, chunks: list[ChunkState], attention_kwargs: dict
 ) -> None:
     """Run all ``layers`` on ``chunks`` (in place), one segment or one per layer."""
-    layer_ops = [
-        LayerOps(runtime, layer, index, attention_kwargs) for index, layer in enumerate(layers)
-    ]
-    segments = [layer_ops] if runtime.config.inter_layer else [[ops] for ops in layer_ops]
+    inter_layer = runtime.config.inter_layer
+    segments: list[list[LayerOps]] = []
+    for index, layer in enumerate(layers):
+        previous = segments[-1][-1] if inter_layer and segments else None
+        ops = LayerOps(runtime, layer, index, attention_kwargs, previous)
+        if previous is None:
+            segments.append([ops])
+        else:
+            segments[-1].append(ops)
     for segment in segments:
         run_wavefront(runtime, segment_ops(segment), chunks)
