@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_checkpoint_args(parser)
     _add_logging_args(parser)
     add_domino_args(parser)
+    _add_domino_report_args(parser)
     return parser
 
 
@@ -359,6 +360,41 @@ def _add_logging_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+#: Iterations ``--domino-report`` records when ``--domino-report-iters`` is not given.
+DEFAULT_DOMINO_REPORT_ITERS = 3
+
+
+def _add_domino_report_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "domino report", "How much tensor-parallel communication Domino hid (needs --domino)."
+    )
+    group.add_argument(
+        "--domino-report",
+        action="store_true",
+        help="Record Domino's schedule on a few iterations after the first (warm-up) and print, "
+        "per layer and direction, the collectives' in-flight time, exposed (blocked-in-wait) "
+        "time and hidden fraction, with a WARNING line for every collective that overlapped "
+        "no compute (the last of each forward or backward pass excepted: nothing is left to "
+        'overlap it). Totals also go to --log-json ("kind": "domino_report"). Other '
+        "iterations run without the recorder.",
+    )
+    group.add_argument(
+        "--domino-report-iters",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Iterations --domino-report records (needs --domino-report). "
+        f"Default: {DEFAULT_DOMINO_REPORT_ITERS}.",
+    )
+
+
+def domino_report_iters(args: argparse.Namespace) -> int:
+    """``--domino-report-iters``, defaulting to :data:`DEFAULT_DOMINO_REPORT_ITERS`."""
+    if args.domino_report_iters is None:
+        return DEFAULT_DOMINO_REPORT_ITERS
+    return args.domino_report_iters
+
+
 @dataclass(frozen=True)
 class Layout:
     """How the launched ranks and the batch flags combine; derived, never parsed."""
@@ -466,6 +502,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> None:
     _check_checkpointing(args)
     _check_logging(args)
     _check_domino(args)
+    _check_domino_report(args)
 
 
 _POSITIVE = (
@@ -485,6 +522,7 @@ _POSITIVE_IF_GIVEN = (
     "save_interval",
     "eval_interval",
     "ckpt_step",
+    "domino_report_iters",
 )
 
 
@@ -619,6 +657,16 @@ def _check_domino(args: argparse.Namespace) -> None:
             "--domino re-sequences Megatron-Core's own layers; under --transformer-impl "
             "transformer_engine, TE's linears run the collectives. Use --transformer-impl local."
         )
+
+
+def _check_domino_report(args: argparse.Namespace) -> None:
+    if args.domino_report and not args.domino:
+        raise ArgumentsError(
+            "--domino-report reports what Domino hid, and --domino is off: add --domino "
+            "(the baseline's collectives are Megatron-Core's own and are not recorded)."
+        )
+    if args.domino_report_iters is not None and not args.domino_report:
+        raise ArgumentsError("--domino-report-iters needs --domino-report.")
 
 
 def _installed(module: str) -> bool:

@@ -14,10 +14,12 @@ how the batch was split.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core import parallel_state
@@ -26,6 +28,9 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_domino.training.reporting import Reporter
+
+if TYPE_CHECKING:  # Domino's modules are imported only by runs that use them.
+    from megatron_domino.training.domino_report import DominoOverlapReport
 
 Batch = dict[str, torch.Tensor]
 
@@ -179,18 +184,25 @@ def train(
     valid_batches: Callable[[], Iterator[Batch]],
     save_interval: int | None,
     save: Callable[[int], None] | None,
+    domino_report: DominoOverlapReport | None = None,
 ) -> None:
     """Run iterations ``first_iteration .. train_iters`` as Megatron-LM schedules them.
 
     Evaluates every ``eval_interval`` iterations and after the last one; saves every
     ``save_interval`` iterations and after the last one (``save`` is None without ``--save``).
-    Does nothing when a resumed checkpoint already reached ``train_iters``.
+    With ``domino_report`` (``--domino-report``), its iterations' steps are recorded and
+    reported after their log record. Does nothing when a resumed checkpoint already reached
+    ``train_iters``.
     """
     if first_iteration > train_iters:
         return
     evaluated = saved = None
     for iteration in range(first_iteration, train_iters + 1):
-        step = trainer.train_step(train_batches)
+        recording = (
+            domino_report.recording(iteration) if domino_report else contextlib.nullcontext()
+        )
+        with recording:
+            step = trainer.train_step(train_batches)
         reporter.step(
             iteration,
             loss=step.loss,
@@ -199,6 +211,8 @@ def train(
             seconds=step.seconds,
             skipped=step.skipped,
         )
+        if domino_report is not None:
+            domino_report.report(iteration)
         if eval_interval and eval_iters and iteration % eval_interval == 0:
             reporter.evaluation(iteration, trainer.evaluate(valid_batches, eval_iters))
             evaluated = iteration

@@ -39,6 +39,7 @@ from megatron_domino.gpt_model import (
 from megatron_domino.training.arguments import (
     Layout,
     data_cache_path,
+    domino_report_iters,
     lr_decay_iters,
     model_options,
     parse_args,
@@ -54,7 +55,8 @@ def pretrain(argv: Sequence[str] | None = None) -> RunSummary:
     """Run the job ``argv`` describes; every rank of the launch calls this.
 
     Returns:
-        The run's summary (the same on every rank; only rank 0 prints and writes logs).
+        The run's summary (the same on every rank but for each rank's own ``--domino-report``
+        timings; only rank 0 prints and writes logs).
     """
     args = parse_args(argv, world_size=detect_launch().world_size)
     with runtime_for_device():
@@ -72,7 +74,7 @@ def _run(args: argparse.Namespace) -> RunSummary:
     options = model_options(args, vocab_size=tokenizer.vocab_size)
     model = build_gpt_model(options).to(device)
     domino = DominoConfig.from_args(args)
-    with _domino_applied(model, domino):
+    with _domino_applied(model, domino) as domino_handle:
         wrapped, optimizer, scheduler = _wrap_for_training(args, model, layout)
         start = 0
         if args.load is not None:
@@ -85,6 +87,18 @@ def _run(args: argparse.Namespace) -> RunSummary:
             )
         reporter = _reporter(args, layout, options, resumed=start > 0)
         reporter.print(_banner(args, layout, domino, model, start))
+        domino_report = None
+        if args.domino_report:
+            from megatron_domino.training.domino_report import (
+                DominoOverlapReport,
+                reported_iterations,
+            )
+
+            domino_report = DominoOverlapReport(
+                domino_handle.runtime,
+                reported_iterations(start + 1, args.train_iters, domino_report_iters(args)),
+                reporter,
+            )
         train_data, valid_data = _datasets(args, tokenizer, layout)
         micro_batches = functools.partial(
             iterate_micro_batches,
@@ -125,6 +139,7 @@ def _run(args: argparse.Namespace) -> RunSummary:
             valid_batches=lambda: micro_batches(valid_data),
             save_interval=args.save_interval,
             save=save if args.save is not None else None,
+            domino_report=domino_report,
         )
         return reporter.finish()
 
@@ -181,17 +196,18 @@ def _device() -> torch.device:
 
 @contextlib.contextmanager
 def _domino_applied(model: torch.nn.Module, config: DominoConfig | None):
-    """Domino on ``model`` for the body (nothing when ``--domino`` is off), reverted after.
+    """Domino on ``model`` for the body (nothing when ``--domino`` is off), reverted after;
+    yields its handle (``None`` when off).
 
     Imported only when asked for, so a baseline run does not depend on Domino's modules.
     """
     if config is None:
-        yield
+        yield None
         return
     from megatron_domino.integration import apply_domino
 
-    with apply_domino(model, config):
-        yield
+    with apply_domino(model, config) as handle:
+        yield handle
 
 
 def _optimizer_config(args: argparse.Namespace) -> OptimizerConfig:

@@ -20,6 +20,7 @@ import os
 import statistics
 from dataclasses import asdict, dataclass, field
 
+from megatron_domino.overlap_report import headline
 from megatron_domino.training.flops import tflops_per_gpu
 
 
@@ -53,6 +54,9 @@ class RunSummary:
     """The last checkpoint written, if any."""
     log_json: str | None = None
     tensorboard_dir: str | None = None
+    domino_report: dict | None = None
+    """This rank's totals of the last ``--domino-report`` iteration (see
+    :func:`megatron_domino.overlap_report.report_totals`), with its ``iteration``."""
 
 
 class Reporter:
@@ -179,6 +183,15 @@ class Reporter:
             f" lm loss PPL: {math.exp(min(20.0, loss)):.6E} |"
         )
 
+    def domino_report(self, iteration: int, *, lines: list[str], totals: dict) -> None:
+        """Print one iteration's ``--domino-report`` and write its totals to ``--log-json``
+        (``"kind": "domino_report"``, ``"iteration"``, then ``totals``)."""
+        record = {"kind": "domino_report", "iteration": iteration, **totals}
+        self.summary.domino_report = record
+        self._write_json(record)
+        for line in lines:
+            self.print(line)
+
     def checkpoint_saved(self, iteration: int, path: str) -> None:
         self.summary.checkpoint = path
         self.print(f" saved checkpoint at iteration {iteration} to {path}")
@@ -218,6 +231,11 @@ class Reporter:
             last = max(summary.validation_losses)
             lines.append(
                 f"  validation loss: {summary.validation_losses[last]:.4f} (iteration {last})"
+            )
+        if summary.domino_report:
+            lines.append(
+                f"  Domino overlap (iteration {summary.domino_report['iteration']}): "
+                f"{headline(summary.domino_report)}"
             )
         lines.append(f"  checkpoint: {summary.checkpoint or 'none (no --save)'}")
         lines.append(f"  JSON log: {summary.log_json or 'none (no --log-json)'}")
