@@ -15,8 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_domino.collectives import CollectiveLabel
-from megatron_domino.recorder import LAUNCH, WAIT_BEGIN, WAIT_END
+from megatron_domino.recorder import LAUNCH, WAIT_BEGIN, WAIT_END, CollectiveLabel
 
 
 class DgradReduceSlot:

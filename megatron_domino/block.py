@@ -4,14 +4,16 @@ It replaces the stock forward of one block instance (see :mod:`megatron_domino.i
 and keeps its contract: hidden states ``[s, b, h]`` in, ``[s, b, h]`` out after the final
 norm, called with keyword arguments by ``GPTModel``. What the stock forward does around the
 layer loop (viewless tensors, the final norm) is done the same way; the features it handles
-that Domino does not (recompute, FP8, offloading, sequence parallelism, cross-attention,
-inference) were refused when Domino was applied, and arguments that only they use must be
+that Domino does not (recompute, FP8, offloading, cross-attention, inference) were refused when Domino was applied, and arguments that only they use must be
 ``None`` here.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
@@ -31,7 +33,8 @@ def domino_block_forward(
     """Forward of a Domino-patched block.
 
     Args:
-        hidden_states: ``[s, b, h]`` (or a ``WrappedTensor``), the embedding output.
+        hidden_states: ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism, or a
+            ``WrappedTensor``), the embedding output.
         attention_mask: ``[1, 1, s, s]`` shared, or ``[b, 1, s, s]`` per sample (sliced per chunk).
         **kwargs: the stock forward's other keyword arguments; unsupported ones must be None.
     Returns:
@@ -60,7 +63,10 @@ def domino_block_forward(
         for c, hidden in enumerate(hidden_states.chunk(p, dim=1))
     ]
     attention_kwargs = {name: kwargs.get(name) for name in SHARED_ATTENTION_ARGS}
-    with runtime.new_step(chunks):
+    # Under sequence parallelism each rank holds other tokens, so hidden dropout draws from
+    # the tensor-parallel RNG stream, as in the stock forward.
+    rng = get_cuda_rng_tracker().fork() if runtime.sequence_parallel else contextlib.nullcontext()
+    with runtime.new_step(chunks), rng:
         run_layers(runtime, block.layers, chunks, attention_kwargs)
         hidden_states = torch.cat([chunk.hidden for chunk in chunks], dim=1)
 

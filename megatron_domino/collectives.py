@@ -13,22 +13,15 @@ row-parallel output is already replicated on every tensor-parallel rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 
-from megatron_domino.recorder import LAUNCH, NULL_RECORDER, WAIT_BEGIN, WAIT_END, NullRecorder
-
-
-@dataclass(frozen=True)
-class CollectiveLabel:
-    """Where a collective belongs, for the recorder: e.g. ``attention_ar`` of layer 3, chunk 1."""
-
-    name: str
-    layer: int
-    chunk: int
-    recorder: NullRecorder = NULL_RECORDER
+from megatron_domino.recorder import LAUNCH, WAIT_BEGIN, WAIT_END, CollectiveLabel
+from megatron_domino.sequence_parallel import (
+    SequenceCollective,
+    launch_scatter,
+    wait_scatter,
+)
 
 
 class _LaunchAllReduce(torch.autograd.Function):
@@ -45,61 +38,77 @@ class _LaunchAllReduce(torch.autograd.Function):
 
 
 class PendingReduce:
-    """The row-parallel output of one chunk whose all-reduce(s) are in flight.
+    """The row-parallel output of one chunk whose collective(s) are in flight.
 
-    Holds ``k`` partial sums (one per column piece, each ``[s, b/p, h/k]``) and their
-    communication handles. Reading the pieces before :meth:`wait` would read unreduced
-    partial sums, so they are only reachable through :meth:`wait`.
+    Holds ``k`` partial sums (one per column piece, each ``[s, b/p, h/k]``) and the means to
+    wait for them. Without sequence parallelism each piece is all-reduced in place; with it,
+    reduce-scattered along ``s`` to ``[s/tp, b/p, h/k]`` (see
+    :mod:`megatron_domino.sequence_parallel`). Reading a piece before :meth:`wait` would read
+    an unreduced partial sum, so pieces are only reachable through :meth:`wait`.
 
     Args:
         group: the tensor-parallel process group.
         label: recorder label (collective name, layer, chunk).
         bias: added after the reduction when the linear does not return its bias separately
             (``skip_bias_add=False``), as Megatron-Core does.
+        scatter: reduce-scatter along the sequence instead of all-reducing.
     """
 
     def __init__(
-        self, group: dist.ProcessGroup, label: CollectiveLabel, bias: torch.Tensor | None = None
+        self,
+        group: dist.ProcessGroup,
+        label: CollectiveLabel,
+        bias: torch.Tensor | None = None,
+        scatter: bool = False,
     ) -> None:
         self._group = group
         self._label = label
         self._bias = bias
-        self._pieces: list[torch.Tensor] = []
-        self._works: list = []
-        self._ids: list[int | None] = []
+        self._scatter = scatter
+        self._waits: list = []
 
     def launch(self, partial: torch.Tensor) -> None:
-        """Start the all-reduce of the next column piece ``partial`` (``[s, b/p, h/k]``)."""
-        label = self._label
-        piece = len(self._pieces)
+        """Start the collective of the next column piece ``partial`` (``[s, b/p, h/k]``)."""
+        piece = len(self._waits)
+        if self._scatter:
+            slot = SequenceCollective(self._group, self._label, piece)
+            in_flight = launch_scatter(partial, slot)
+            self._waits.append(lambda: wait_scatter(in_flight, slot))
+        else:
+            self._waits.append(self._launch_all_reduce(partial.contiguous(), piece))
+
+    def _launch_all_reduce(self, partial: torch.Tensor, piece: int):
+        label, works = self._label, []
         collective = label.recorder.new_collective_id()
-        self._pieces.append(_LaunchAllReduce.apply(partial.contiguous(), self._group, self._works))
-        self._ids.append(collective)
+        reduced = _LaunchAllReduce.apply(partial, self._group, works)
         label.recorder.record(
             LAUNCH, label.name, label.layer, label.chunk, "fwd", piece, collective
         )
 
+        def wait() -> torch.Tensor:
+            label.recorder.record(
+                WAIT_BEGIN, label.name, label.layer, label.chunk, "fwd", piece, collective
+            )
+            works[0].wait()
+            label.recorder.record(
+                WAIT_END, label.name, label.layer, label.chunk, "fwd", piece, collective
+            )
+            return reduced
+
+        return wait
+
     @property
     def in_flight(self) -> bool:
-        return bool(self._works)
+        return bool(self._waits)
 
     def wait(self) -> torch.Tensor:
-        """Wait for every piece and return the reduced output ``[s, b/p, h]`` (pieces joined on h)."""
-        if not self._works:
+        """Wait for every piece; the reduced output ``[s or s/tp, b/p, h]`` (pieces joined on h)."""
+        if not self._waits:
             raise RuntimeError(
                 f"{self._label.name} of layer {self._label.layer} chunk "
                 f"{self._label.chunk} was waited twice or never launched."
             )
-        label = self._label
-        for piece, (work, collective) in enumerate(zip(self._works, self._ids, strict=True)):
-            label.recorder.record(
-                WAIT_BEGIN, label.name, label.layer, label.chunk, "fwd", piece, collective
-            )
-            work.wait()
-            label.recorder.record(
-                WAIT_END, label.name, label.layer, label.chunk, "fwd", piece, collective
-            )
-        self._works.clear()
-        output = self._pieces[0] if len(self._pieces) == 1 else torch.cat(self._pieces, dim=-1)
-        self._pieces.clear()
+        pieces = [wait() for wait in self._waits]
+        self._waits.clear()
+        output = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
         return output if self._bias is None else output + self._bias

@@ -189,6 +189,20 @@ def _synchronize(device: object = None) -> None:
     return None
 
 
+_engine_run_backward = torch.autograd.graph._engine_run_backward
+
+
+def _engine_run_backward_with_cpu_devices(*args, **kwargs):
+    """Run the autograd engine under the device mode.
+
+    The device mode intercepts ``Tensor.backward`` itself, and a mode's handler runs with the
+    mode popped, so without this every ``backward`` (Megatron-Core's sequence-parallel linear
+    allocates with ``device=torch.cuda.current_device()`` there) would escape the mode.
+    """
+    with _CudaDevicesToCpu():
+        return _engine_run_backward(*args, **kwargs)
+
+
 #: Everything :func:`cpu_runtime` replaces, in the order it is applied.
 PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -196,6 +210,12 @@ PATCHES: tuple[Patch, ...] = (
         "current_device",
         _current_device,
         "Megatron allocates on it (memory buffer, RoPE, SP); index 0 is then mapped to the CPU.",
+    ),
+    Patch(
+        torch.autograd,
+        "_engine_run_backward",
+        _engine_run_backward_with_cpu_devices,
+        "backward() and grad() run the engine through it; backward code must see the mode.",
     ),
     Patch(
         torch.cuda,

@@ -13,6 +13,7 @@ fusion is off, since none of their kernels exist on the CPU. Pass
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -23,6 +24,9 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from megatron_domino.norms import SequenceParallelTorchNorm
 
 __all__ = [
     "MAKE_VOCAB_SIZE_DIVISIBLE_BY",
@@ -103,6 +107,9 @@ class GPTOptions:
     transformer_impl: Literal["local", "transformer_engine"] = "local"
     """``--transformer-impl``: Megatron-Core's own modules (``local``, the only choice on the
     CPU, and the one Domino patches) or Transformer Engine's."""
+    sequence_parallel: bool = False
+    """``--sequence-parallel``: shard the residual stream ``[s/tp, b, h]`` along the sequence
+    between the tensor-parallel regions (needs ``seq_length`` divisible by the TP size)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -175,6 +182,11 @@ class GPTOptions:
         the TP ranks, each of which must get an equal share.
         """
         tp = tensor_model_parallel_size
+        if self.sequence_parallel and self.seq_length % tp:
+            raise GPTOptionsError(
+                f"--seq-length {self.seq_length} is not divisible by --tensor-model-parallel-size "
+                f"{tp}: --sequence-parallel gives each rank an equal share of the tokens."
+            )
         split = (
             ("num_attention_heads", self.num_attention_heads),
             ("num_query_groups", self.resolved_num_query_groups),
@@ -234,6 +246,7 @@ def transformer_config(
         bf16=options.bf16,
         params_dtype=dtype,
         tensor_model_parallel_size=tensor_model_parallel_size,
+        sequence_parallel=options.sequence_parallel,
         use_cpu_initialization=not cuda,
         # The gelu bias fusion requires a bias; Megatron-LM drops it with --disable-bias-linear.
         bias_activation_fusion=fused and (options.swiglu or options.add_bias_linear),
@@ -253,7 +266,14 @@ def layer_spec(options: GPTOptions) -> ModuleSpec:
         GPTOptionsError: Transformer Engine was asked for without CUDA.
     """
     if options.transformer_impl == "local":
-        return get_gpt_layer_local_spec(normalization=options.normalization)
+        spec = get_gpt_layer_local_spec(normalization=options.normalization)
+        if not options.sequence_parallel:
+            return spec
+        # The local spec's torch norm refuses sequence parallelism (Apex's needs CUDA).
+        norms = dict(
+            input_layernorm=SequenceParallelTorchNorm, pre_mlp_layernorm=SequenceParallelTorchNorm
+        )
+        return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **norms))
     if not torch.cuda.is_available():
         raise GPTOptionsError(
             "--transformer-impl transformer_engine needs a CUDA device; use "
@@ -287,7 +307,7 @@ def build_gpt_model(options: GPTOptions) -> GPTModel:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     return GPTModel(
         config=transformer_config(options, tensor_model_parallel_size=tp),
-        transformer_layer_spec=layer_spec(options),
+        transformer_layer_spec=_block_spec(options),
         vocab_size=padded_vocab_size(options.vocab_size, tp),
         max_sequence_length=options.resolved_max_position_embeddings,
         pre_process=True,
@@ -295,6 +315,16 @@ def build_gpt_model(options: GPTOptions) -> GPTModel:
         parallel_output=True,
         share_embeddings_and_output_weights=not options.untie_embeddings_and_output_weights,
         position_embedding_type=options.position_embedding_type,
+    )
+
+
+def _block_spec(options: GPTOptions) -> ModuleSpec | TransformerBlockSubmodules:
+    """The layer spec, or under sequence parallelism a block spec whose final norm supports it."""
+    spec = layer_spec(options)
+    if not options.sequence_parallel:
+        return spec
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * options.num_layers, layer_norm=SequenceParallelTorchNorm
     )
 
 

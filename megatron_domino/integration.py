@@ -31,11 +31,6 @@ from megatron_domino.version import check_megatron_core_version
 #: (TransformerConfig attribute, is-refused predicate, reason and fix)
 _REFUSED_FEATURES = (
     (
-        "sequence_parallel",
-        bool,
-        "sequence parallelism is not supported by Domino yet; drop --sequence-parallel",
-    ),
-    (
         "tp_comm_overlap",
         bool,
         "TE userbuffer overlap (tp_comm_overlap) takes over the same collectives; use one or the other",
@@ -159,7 +154,7 @@ def apply_domino(
     _refuse_unsupported(block, config)
 
     tp_group = block.layers[0].self_attention.linear_proj.tp_group
-    runtime = DominoRuntime(config, tp_group, recorder)
+    runtime = DominoRuntime(config, tp_group, recorder, block.config.sequence_parallel)
     patched = [block]
     block.forward = functools.partial(domino_block_forward, block, runtime=runtime)
     for layer in block.layers:
@@ -190,6 +185,11 @@ def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
         )
     if not block.layers:
         problems.append("the block has no layers")
+    if model_config.sequence_parallel and not config.backward_overlap:
+        problems.append(
+            "--no-domino-backward-overlap is not supported with --sequence-parallel (the "
+            "sequence-parallel collectives always overlap in backward); drop one of them"
+        )
     if model_config.hidden_size % config.column_chunks:
         problems.append(
             f"--hidden-size {model_config.hidden_size} is not divisible by "
@@ -225,7 +225,7 @@ def _layer_problems(layer: torch.nn.Module) -> list[str]:
                 "Transformer Engine layers are not supported yet; use --transformer-impl local"
             )
         elif cls is ColumnParallelLinear and (
-            module.gather_output or module.sequence_parallel or not module.allreduce_dgrad
+            module.gather_output or not (module.sequence_parallel or module.allreduce_dgrad)
         ):
             problems.append(f"{name} must be a plain column-parallel linear (no gather_output)")
     if not isinstance(layer.cross_attention, IdentityOp) or not isinstance(

@@ -50,9 +50,10 @@ def row_parallel_forward(
             f"Domino: an unexpected {type(module).__name__} ran inside the "
             f"{step.sublayer} core op; this module structure is unsupported."
         )
-    label = step.label("ar", runtime.recorder)
+    scatter = runtime.sequence_parallel
+    label = step.label("rs" if scatter else "ar", runtime.recorder)
     pending = PendingReduce(
-        runtime.tp_group, label, bias=None if module.skip_bias_add else module.bias
+        runtime.tp_group, label, bias=None if module.skip_bias_add else module.bias, scatter=scatter
     )
     k = runtime.config.column_chunks
     weight_pieces = module.weight.chunk(k, dim=0) if k > 1 else (module.weight,)
@@ -85,24 +86,43 @@ def column_parallel_forward(
     *,
     runtime: DominoRuntime,
 ):
-    """Column-parallel GEMM whose input-gradient all-reduce outlives its backward.
+    """Column-parallel GEMM whose input-gradient collective outlives its backward.
+
+    Without sequence parallelism the GEMM's backward launches the dX all-reduce (waited by the
+    identity the schedule placed on ``input_``). With it, ``input_`` was already gathered by
+    the schedule, whose gather nodes also reduce-scatter dX, so this is a plain GEMM.
 
     Args:
-        input_: ``[s, b/p, h]``, the norm output replicated on every tensor-parallel rank.
+        input_: ``[s, b/p, h]``, the norm output, replicated (or gathered) on every TP rank.
     Returns:
         ``(output [s, b/p, n/tp], bias-or-None)`` as Megatron-Core's ``forward``.
     """
     step = runtime.step
     chunk = None if step is None else step.active
-    if chunk is None or chunk.dgrad_slot is None:
+    if chunk is None or not (runtime.sequence_parallel or chunk.dgrad_slot is not None):
         return ColumnParallelLinear.forward(module, input_, weight, runtime_gather_output)
     if input_ is not chunk.linear_input or weight is not None or runtime_gather_output:
         raise RuntimeError(
             "Domino: a column-parallel linear received something other than the norm output "
             "the schedule prepared for it; this Megatron-Core module structure is unsupported."
         )
-    slot, chunk.dgrad_slot = chunk.dgrad_slot, None
-    accumulate = module.gradient_accumulation_fusion and hasattr(module.weight, "main_grad")
     bias = None if module.skip_bias_add else module.bias
-    output = column_linear_async_dgrad(input_, module.weight, bias, slot, accumulate)
+    if runtime.sequence_parallel:
+        output = module._forward_impl(
+            input=input_,
+            weight=module.weight,
+            bias=bias,
+            gradient_accumulation_fusion=module.gradient_accumulation_fusion,
+            allreduce_dgrad=False,
+            sequence_parallel=False,
+            tp_group=None,
+            grad_output_buffer=None,
+        )
+        time_backward(
+            output, runtime.recorder, f"{step.sublayer}_column_gemm", step.layer, chunk.index
+        )
+    else:
+        slot, chunk.dgrad_slot = chunk.dgrad_slot, None
+        accumulate = module.gradient_accumulation_fusion and hasattr(module.weight, "main_grad")
+        output = column_linear_async_dgrad(input_, module.weight, bias, slot, accumulate)
     return output, module.bias if module.skip_bias_add else None

@@ -78,6 +78,16 @@ class NullRecorder:
 NULL_RECORDER = NullRecorder()
 
 
+@dataclass(frozen=True)
+class CollectiveLabel:
+    """Where a collective belongs, for the recorder: e.g. ``attention_ar`` of layer 3, chunk 1."""
+
+    name: str
+    layer: int
+    chunk: int
+    recorder: NullRecorder = NULL_RECORDER
+
+
 class EventRecorder(NullRecorder):
     """Records :class:`Event` s in call order; read them with :meth:`events`.
 

@@ -42,7 +42,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
 from megatron_domino.backward_overlap import DgradReduceSlot, wait_for_dgrad_reduce
-from megatron_domino.collectives import CollectiveLabel
+from megatron_domino.recorder import CollectiveLabel
+from megatron_domino.sequence_parallel import SequenceCollective, launch_gather, wait_gather
 from megatron_domino.state import ChunkState, DominoRuntime
 
 Op = Callable[[ChunkState], None]
@@ -89,10 +90,11 @@ class LayerOps:
             self.previous.finish(chunk)
         chunk.residual = chunk.hidden
         normed = self.layer.input_layernorm(chunk.hidden)
-        chunk.linear_input = self._place_dgrad_wait(normed, chunk, "attention")
+        chunk.linear_input = self._prepare_column_input(normed, chunk, "attention")
 
     def attention_core(self, chunk: ChunkState) -> None:
         attention = self.layer.self_attention
+        self._finish_gather(chunk)
         with self.runtime.acting_for(chunk, self.index, "attention", defer=attention.linear_proj):
             attention(
                 chunk.linear_input,
@@ -114,9 +116,10 @@ class LayerOps:
     def mlp_norm(self, chunk: ChunkState) -> None:
         chunk.residual = self._bias_dropout_add(self.layer.self_attn_bda, chunk)
         normed = self.layer.pre_mlp_layernorm(chunk.residual)
-        chunk.linear_input = self._place_dgrad_wait(normed, chunk, "mlp")
+        chunk.linear_input = self._prepare_column_input(normed, chunk, "mlp")
 
     def mlp_core(self, chunk: ChunkState) -> None:
+        self._finish_gather(chunk)
         with self.runtime.acting_for(chunk, self.index, "mlp", defer=self.layer.mlp.linear_fc2):
             self.layer.mlp(chunk.linear_input)
 
@@ -138,19 +141,34 @@ class LayerOps:
                 (output, bias), chunk.residual, layer.hidden_dropout
             )
 
-    def _place_dgrad_wait(
+    def _prepare_column_input(
         self, normed: torch.Tensor, chunk: ChunkState, sublayer: str
     ) -> torch.Tensor:
-        """Put the backward wait of the next column linear's dX all-reduce on its input."""
+        """Ready the norm output ``[s or s/tp, b/p, h]`` for the next column-parallel linear.
+
+        Under sequence parallelism: launch its all-gather (waited in the core op). Otherwise,
+        with backward overlap: place the backward wait of the linear's dX all-reduce.
+        """
         runtime = self.runtime
-        if not (
-            runtime.config.backward_overlap and torch.is_grad_enabled() and normed.requires_grad
-        ):
+        grad = torch.is_grad_enabled() and normed.requires_grad
+        if runtime.sequence_parallel:
+            label = CollectiveLabel(f"{sublayer}_ag", self.index, chunk.index, runtime.recorder)
+            chunk.gather_slot = SequenceCollective(runtime.tp_group, label)
+            runtime.step.sequence_slots.append(chunk.gather_slot)
+            return launch_gather(normed, chunk.gather_slot)
+        if not (runtime.config.backward_overlap and grad):
             return normed
         label = CollectiveLabel(f"{sublayer}_dgrad_ar", self.index, chunk.index, runtime.recorder)
         chunk.dgrad_slot = DgradReduceSlot(runtime.tp_group, label)
         runtime.step.dgrad_slots.append(chunk.dgrad_slot)
         return wait_for_dgrad_reduce(normed, chunk.dgrad_slot)
+
+    @staticmethod
+    def _finish_gather(chunk: ChunkState) -> None:
+        """Under sequence parallelism, wait for the column linear's gathered input ``[s, b/p, h]``."""
+        if chunk.gather_slot is not None:
+            chunk.linear_input = wait_gather(chunk.linear_input, chunk.gather_slot)
+            chunk.gather_slot = None
 
 
 def segment_ops(layer_ops: list[LayerOps]) -> list[tuple[str, int, Op]]:

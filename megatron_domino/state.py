@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_domino.backward_overlap import DgradReduceSlot
-from megatron_domino.collectives import CollectiveLabel, PendingReduce
+from megatron_domino.collectives import PendingReduce
 from megatron_domino.config import DominoConfig
-from megatron_domino.recorder import NULL_RECORDER, NullRecorder
+from megatron_domino.recorder import NULL_RECORDER, CollectiveLabel, NullRecorder
+from megatron_domino.sequence_parallel import SequenceCollective
 
 
 @dataclass
@@ -35,6 +36,9 @@ class ChunkState:
         residual: residual input of the sub-layer in progress ``[s, b/p, h]``.
         linear_input: norm output ``[s, b/p, h]`` feeding the next column-parallel linear.
         dgrad_slot: backward all-reduce slot for that column-parallel linear.
+        gather_slot: under sequence parallelism, the all-gather of ``linear_input``
+            (``[s/tp, b/p, h]`` to ``[s, b/p, h]``), launched in the norm op and waited in the
+            core op.
         deferred_input: input of the row-parallel linear, captured while the core ran
             (``[s, b/p, n/tp]``), so the GEMM can run in the next op.
         pending: the row-parallel output whose all-reduce is in flight.
@@ -48,6 +52,7 @@ class ChunkState:
     residual: torch.Tensor | None = None
     linear_input: torch.Tensor | None = None
     dgrad_slot: DgradReduceSlot | None = None
+    gather_slot: SequenceCollective | None = None
     deferred_input: torch.Tensor | None = None
     pending: PendingReduce | None = None
     pending_bias: torch.Tensor | None = None
@@ -65,6 +70,7 @@ class StepState:
 
     chunks: list[ChunkState]
     dgrad_slots: list[DgradReduceSlot] = field(default_factory=list)
+    sequence_slots: list[SequenceCollective] = field(default_factory=list)
     active: ChunkState | None = None
     layer: int = -1
     sublayer: str = ""
@@ -75,30 +81,35 @@ class StepState:
         return CollectiveLabel(f"{self.sublayer}_{suffix}", self.layer, self.active.index, recorder)
 
     @property
-    def pending_forward(self) -> list[ChunkState]:
-        """Chunks with a forward collective still in flight."""
-        return [
-            chunk for chunk in self.chunks if chunk.pending is not None and chunk.pending.in_flight
-        ]
+    def pending_forward(self) -> list:
+        """Forward collectives still in flight (row outputs and sequence-parallel gathers)."""
+        rows = [c.pending for c in self.chunks if c.pending is not None and c.pending.in_flight]
+        return rows + [slot for slot in self.sequence_slots if slot.pending]
 
     @property
-    def pending_backward(self) -> list[DgradReduceSlot]:
-        """Backward all-reduces launched but not yet waited."""
-        return [slot for slot in self.dgrad_slots if slot.pending]
+    def pending_backward(self) -> list:
+        """Backward collectives launched but not yet waited."""
+        return [slot for slot in self.dgrad_slots + self.sequence_slots if slot.pending]
 
 
 class DominoRuntime:
-    """State shared by one model's patched modules: settings, group, recorder, current step."""
+    """State shared by one model's patched modules: settings, group, recorder, current step.
+
+    ``sequence_parallel`` mirrors the model's setting: the residual stream is then
+    ``[s/tp, b, h]`` and the row/column collectives are reduce-scatters and all-gathers.
+    """
 
     def __init__(
         self,
         config: DominoConfig,
         tp_group: dist.ProcessGroup,
         recorder: NullRecorder = NULL_RECORDER,
+        sequence_parallel: bool = False,
     ) -> None:
         self.config = config
         self.tp_group = tp_group
         self.recorder = recorder
+        self.sequence_parallel = sequence_parallel
         self.step: StepState | None = None
         self.last_step: StepState | None = None
 

@@ -29,7 +29,6 @@ OPTIONS = GPTOptions(
 
 #: (TransformerConfig attribute, value that must be refused, words the message must contain)
 REFUSED = [
-    ("sequence_parallel", True, "sequence parallelism"),
     ("tp_comm_overlap", True, "userbuffer"),
     ("enable_cuda_graph", True, "CUDA graphs"),
     ("cuda_graph_impl", "local", "CUDA graphs"),
