@@ -31,4 +31,4 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check megatron_domino tests pretrain_gpt_domino.py examples
 
 clean:
-	rm -rf $(VENV) data_cache runs bench_results
+	rm -rf $(VENV) data_cache runs bench_results loss_parity ab_results

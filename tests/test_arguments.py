@@ -62,6 +62,20 @@ def test_layout_gives_data_parallel_size_and_gradient_accumulation():
     [
         (["--global-batch-size", "6"], 2, "--global-batch-size 6 is not divisible"),
         (["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
+        (["--sequence-parallel"], 2, "--sequence-parallel shards the sequence"),
+        (
+            [
+                "--sequence-parallel",
+                "--tensor-model-parallel-size",
+                "2",
+                "--seq-length",
+                "31",
+                "--max-position-embeddings",
+                "32",
+            ],
+            2,
+            "--seq-length 31 is not divisible by --tensor-model-parallel-size 2",
+        ),
         (["--tensor-model-parallel-size", "8"], 8, "--num-attention-heads 4 is not divisible"),
         (
             ["--tensor-model-parallel-size", "2", "--group-query-attention"],

@@ -165,6 +165,13 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
         help="Tensor-parallel ranks per model replica; data-parallel size = world size / this.",
     )
     group.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Shard the residual stream along the sequence between tensor-parallel regions "
+        "(all-gather/reduce-scatter instead of all-reduce); needs TP > 1 and --seq-length "
+        "divisible by TP.",
+    )
+    group.add_argument(
         "--overlap-grad-reduce",
         action="store_true",
         help="Overlap the data-parallel gradient reduction with the backward pass (DDP buckets).",
@@ -417,6 +424,11 @@ class Layout:
                 f"--tensor-model-parallel-size {tp}: launch a multiple of {tp} processes or "
                 "change the tensor-parallel size."
             )
+        if args.sequence_parallel and tp < 2:
+            raise ArgumentsError(
+                "--sequence-parallel shards the sequence over the tensor-parallel ranks and "
+                "needs --tensor-model-parallel-size > 1; raise it or drop --sequence-parallel."
+            )
         dp = world_size // tp
         micro = args.micro_batch_size
         global_batch = micro * dp if args.global_batch_size is None else args.global_batch_size
@@ -461,6 +473,7 @@ def model_options(args: argparse.Namespace, *, vocab_size: int) -> GPTOptions:
         init_method_std=args.init_method_std,
         bf16=args.bf16,
         transformer_impl=args.transformer_impl,
+        sequence_parallel=args.sequence_parallel,
     )
 
 
