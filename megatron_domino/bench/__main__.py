@@ -61,6 +61,7 @@ CASES = {
         ),
         micro_batch_size=4,
     ),
+    "gpt-h1024-sp": dict(model=dict(_MODEL, sequence_parallel=True), micro_batch_size=4),
 }
 SETTINGS = {
     "p2": dict(chunks=2),

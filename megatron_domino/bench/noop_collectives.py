@@ -38,6 +38,10 @@ def tp_collectives_skipped(tp_group: dist.ProcessGroup) -> Iterator[None]:
 
         def collective(*args, group=None, async_op=False, **kwargs):
             if group is tp_group:
+                if name != "all_reduce":
+                    # The output buffer of a gather/scatter is uninitialised memory, whose
+                    # denormals or NaNs would slow the CPU arithmetic that reads it.
+                    args[0].zero_()
                 return _CompletedWork() if async_op else None
             return original(*args, group=group, async_op=async_op, **kwargs)
 
