@@ -2,9 +2,9 @@
 
 ``T_oracle`` is the time of the same model, data and compute with no tensor-parallel
 communication at all: wrong numbers, right time. It is the upper bound Domino's iteration
-time can approach. Megatron-Core and Domino both look ``torch.distributed.<collective>`` up
-at call time, so replacing those attributes for the duration of an arm reaches every
-collective; calls on other groups (data parallel, barriers) run unchanged.
+time can approach. Megatron-Core and Domino look ``torch.distributed.<collective>`` up at
+call time, except Megatron-Core's gather/scatter functions bound at import, which are
+replaced where they are bound; calls on other groups (data parallel, barriers) run unchanged.
 """
 
 from __future__ import annotations
@@ -13,9 +13,21 @@ import contextlib
 from collections.abc import Iterator
 
 import torch.distributed as dist
+from megatron.core.tensor_parallel import layers as tp_layers
+from megatron.core.tensor_parallel import mappings as tp_mappings
 
-#: The collectives Megatron-Core's tensor parallelism and Domino issue.
-TP_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+#: (module, attribute) of every collective Megatron-Core's tensor parallelism and Domino call.
+#: ``layers.py`` and ``mappings.py`` bind the gather/scatter functions at import, so the
+#: ``torch.distributed`` attributes alone would not reach them.
+TP_COLLECTIVES = (
+    (dist, "all_reduce"),
+    (dist, "all_gather_into_tensor"),
+    (dist, "reduce_scatter_tensor"),
+    (tp_layers, "dist_all_gather_func"),
+    (tp_layers, "dist_reduce_scatter_func"),
+    (tp_mappings, "dist_all_gather_func"),
+    (tp_mappings, "dist_reduce_scatter_func"),
+)
 
 
 class _CompletedWork:
@@ -28,29 +40,32 @@ class _CompletedWork:
         return True
 
 
+def _skipping(original, tp_group: dist.ProcessGroup, zero_output: bool):
+    """``original`` that returns at once, moving no data, when called on ``tp_group``.
+
+    With ``zero_output`` the output buffer (the first argument of a gather or scatter) is
+    zeroed: it is uninitialised memory, whose denormals or NaNs would slow the CPU arithmetic
+    that reads it.
+    """
+
+    def collective(*args, group=None, async_op=False, **kwargs):
+        if group is not tp_group:
+            return original(*args, group=group, async_op=async_op, **kwargs)
+        if zero_output:
+            args[0].zero_()
+        return _CompletedWork() if async_op else None
+
+    return collective
+
+
 @contextlib.contextmanager
 def tp_collectives_skipped(tp_group: dist.ProcessGroup) -> Iterator[None]:
     """Within the block, collectives on ``tp_group`` return at once and move no data."""
-    originals = {name: getattr(dist, name) for name in TP_COLLECTIVES}
-
-    def skipping(name):
-        original = originals[name]
-
-        def collective(*args, group=None, async_op=False, **kwargs):
-            if group is tp_group:
-                if name != "all_reduce":
-                    # The output buffer of a gather/scatter is uninitialised memory, whose
-                    # denormals or NaNs would slow the CPU arithmetic that reads it.
-                    args[0].zero_()
-                return _CompletedWork() if async_op else None
-            return original(*args, group=group, async_op=async_op, **kwargs)
-
-        return collective
-
-    for name in TP_COLLECTIVES:
-        setattr(dist, name, skipping(name))
+    originals = [(owner, name, getattr(owner, name)) for owner, name in TP_COLLECTIVES]
+    for owner, name, original in originals:
+        setattr(owner, name, _skipping(original, tp_group, zero_output=name != "all_reduce"))
     try:
         yield
     finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+        for owner, name, original in originals:
+            setattr(owner, name, original)
