@@ -1,0 +1,175 @@
+"""``pretrain_gpt_domino.py --domino`` trains exactly like the run without it.
+
+Each case launches the real training script twice under torchrun on gloo ranks (see
+:mod:`launch`), with the same seed, mock data (``NullTokenizer``) and flags, once without and
+once with ``--domino``, for 20 optimizer steps, and compares the ``--log-json`` records of
+every iteration: the loss, the gradient norm before clipping, the learning rate (exactly) and
+that no step was skipped. Dropout is off, so the two runs differ only in how Domino
+orders the work. Each case also checks that the loss fell, so a broken run (both arms equally
+untrained) cannot pass, and that the Domino arm really ran Domino (the banner names its
+config) rather than silently the stock path.
+
+Cases (tiny GPT: 2 layers, hidden 64, 4 heads, sequence 32):
+
+* ``tp2-ddp-accumulation``: TP = 2, DP = 1, Megatron DDP, micro-batch 4, global batch 8
+  (2 accumulation steps), RMSNorm + SwiGLU + RoPE + GQA (2 query groups) + no linear bias;
+  Domino ``--domino-chunks 2``.
+* ``tp2-dp2-overlap-grad-reduce``: TP = 2 x DP = 2 (4 ranks), ``--overlap-grad-reduce``,
+  micro-batch 2, global batch 8 (2 accumulation steps, so DDP's ``no_sync`` matters),
+  LayerNorm + GeLU + learned positions + biases; Domino ``--domino-chunks 2
+  --domino-column-chunks 2``.
+* ``tp2-dp2-distributed-optimizer``: TP = 2 x DP = 2, ``--use-distributed-optimizer``,
+  micro-batch 4, global batch 8, the RMSNorm/SwiGLU/RoPE/GQA model with untied output
+  weights; Domino ``--domino-chunks 4``.
+* ``tp2-ddp-accumulation-bf16``: the first case with ``--bf16``.
+
+Tolerances (relative to the baseline, per iteration, on the loss and on the grad norm):
+
+* fp32: ``rtol = 1e-5``. Domino runs the same GEMMs on fewer rows (chunks) and sums the
+  row-parallel output in pieces (column chunks), so only the order of floating-point sums
+  changes, and Adam carries those roundings forward from step to step. Worst observed over the
+  20 steps (loss / grad norm): ``tp2-ddp-accumulation`` 1.2e-7 / 1.1e-7,
+  ``tp2-dp2-overlap-grad-reduce`` 1.1e-7 / 1.9e-7, ``tp2-dp2-distributed-optimizer``
+  6.4e-8 / 1.1e-7. The grad norm is the sharper check: scaling Domino's QKV and fc1 weight
+  gradients by 1 + 1e-4 moves it by 2.6e-5 relative (and fails this test) while the loss moves
+  by only 3.5e-7; a schedule bug (a chunk added to the wrong residual, a lost piece or
+  all-reduce) is off by far more.
+* bf16: ``rtol = 5e-3`` on the loss and ``2e-2`` on the grad norm. Every reordered bf16 sum
+  rounds (2**-8 = 4e-3 relative), and the grad norm, a sum of squares of bf16 gradients, is
+  the more sensitive of the two. Worst observed: loss 6.2e-5, grad norm 5.8e-4.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from launch import run_pretrain, train_records
+
+pytestmark = pytest.mark.slow
+
+TRAIN_ITERS = 20
+
+#: Shared by every case and both arms: model size, schedule, data, no dropout.
+COMMON = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+    "--seq-length", "32", "--tensor-model-parallel-size", "2",
+    "--attention-dropout", "0", "--hidden-dropout", "0",
+    "--lr", "3e-3", "--lr-warmup-iters", "2", "--train-iters", str(TRAIN_ITERS),
+    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
+    "--log-interval", "10",
+]  # fmt: skip
+
+MODERN_MODEL = [
+    "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+    "--group-query-attention", "--num-query-groups", "2", "--disable-bias-linear",
+]  # fmt: skip
+
+FP32_RTOL = {"loss": 1e-5, "grad_norm": 1e-5}
+BF16_RTOL = {"loss": 5e-3, "grad_norm": 2e-2}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layout and model, trained without and with Domino."""
+
+    nproc: int
+    """torchrun ranks: 2 for TP = 2, 4 for TP = 2 x DP = 2."""
+    flags: list[str]
+    """Flags added to :data:`COMMON` in both arms."""
+    chunks: int
+    column_chunks: int
+    rtol: dict[str, float]
+    """Largest relative difference allowed, by ``--log-json`` key."""
+
+    @property
+    def domino_flags(self) -> list[str]:
+        return [
+            "--domino",
+            "--domino-chunks", str(self.chunks),
+            "--domino-column-chunks", str(self.column_chunks),
+        ]  # fmt: skip
+
+
+CASES = {
+    "tp2-ddp-accumulation": Case(
+        nproc=2,
+        flags=[*MODERN_MODEL, "--micro-batch-size", "4", "--global-batch-size", "8"],
+        chunks=2, column_chunks=1, rtol=FP32_RTOL,
+    ),
+    "tp2-dp2-overlap-grad-reduce": Case(
+        nproc=4,
+        flags=["--micro-batch-size", "2", "--global-batch-size", "8", "--overlap-grad-reduce"],
+        chunks=2, column_chunks=2, rtol=FP32_RTOL,
+    ),
+    "tp2-dp2-distributed-optimizer": Case(
+        nproc=4,
+        flags=[
+            *MODERN_MODEL, "--untie-embeddings-and-output-weights",
+            "--micro-batch-size", "4", "--global-batch-size", "8",
+            "--use-distributed-optimizer",
+        ],
+        chunks=4, column_chunks=1, rtol=FP32_RTOL,
+    ),
+    "tp2-ddp-accumulation-bf16": Case(
+        nproc=2,
+        flags=[*MODERN_MODEL, "--micro-batch-size", "4", "--global-batch-size", "8", "--bf16"],
+        chunks=2, column_chunks=1, rtol=BF16_RTOL,
+    ),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mock_data_cache(tmp_path_factory) -> Path:
+    """One sample-index cache for every run: both arms read the very same samples."""
+    return tmp_path_factory.mktemp("mock-data-cache")
+
+
+def _train(case: Case, extra: list[str], *, cwd: Path, cache: Path, name: str):
+    """Run one arm as its own launch; return its train records by iteration and its output.
+
+    One launch per arm: a second ``init_process_group`` in the same torchrun workers reuses
+    the agent store's keys of the first run's groups and hangs in ``new_group``.
+    """
+    log_json = cwd / f"{name}.jsonl"
+    files = ["--data-cache-path", str(cache), "--log-json", str(log_json)]
+    output = run_pretrain([*COMMON, *case.flags, *extra, *files], cwd=cwd, nproc=case.nproc)
+    return train_records(log_json), output
+
+
+def _worst_relative_difference(baseline: dict, domino: dict, key: str) -> float:
+    return max(abs(domino[i][key] - baseline[i][key]) / abs(baseline[i][key]) for i in baseline)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_domino_training_matches_the_baseline(tmp_path, mock_data_cache, name):
+    case = CASES[name]
+    arm = functools.partial(_train, case, cwd=tmp_path, cache=mock_data_cache)
+    baseline, baseline_output = arm([], name="baseline")
+    domino, domino_output = arm(case.domino_flags, name="domino")
+    assert "Domino: off" in baseline_output
+    assert f"Domino: DominoConfig(chunks={case.chunks}, column_chunks={case.column_chunks}," in (
+        domino_output
+    )
+    iterations = list(range(1, TRAIN_ITERS + 1))
+    assert sorted(baseline) == iterations and sorted(domino) == iterations
+
+    for records in (baseline, domino):
+        assert not any(r["skipped"] for r in records.values())
+        assert all(r["grad_norm"] is not None for r in records.values())
+    assert [domino[i]["learning_rate"] for i in iterations] == [
+        baseline[i]["learning_rate"] for i in iterations
+    ]
+    worst = {key: _worst_relative_difference(baseline, domino, key) for key in case.rtol}
+    print(f"{name}: worst relative difference {worst}")
+    for key, rtol in case.rtol.items():
+        assert worst[key] <= rtol, (
+            key,
+            worst[key],
+            [(baseline[i][key], domino[i][key]) for i in iterations],
+        )
+
+    losses = [baseline[i]["loss"] for i in iterations]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
