@@ -1,0 +1,146 @@
+"""Part 2: the recorded schedule has the structure Domino promises, timed with CUDA events.
+
+On two ranks sharing the GPU, one step (forward and backward) per setting is recorded with
+:class:`~megatron_domino.recorder.EventRecorder` (CUDA events on the GPU, wall clock with
+``--device cpu``) after one warm-up step, and checked with the criteria the CPU overlap tests
+use (:mod:`megatron_domino.schedule_checks`): the number of collectives per direction and
+kind, nothing left in flight after the forward or the backward, and each collective having
+overlapped another chunk's (or piece's) compute. The recorder's totals (in-flight and exposed
+time per direction) are reported as measured; over gloo on one GPU they describe this setup,
+not an NVLink system.
+"""
+
+from __future__ import annotations
+
+__all__ = ["OVERLAP_SETTINGS", "LAYERS", "merge_ranks", "overlap_rank"]
+
+#: Settings recorded: row chunks, chunks with column pieces, pieces alone, and SP.
+OVERLAP_SETTINGS = ("p2", "p2-k2", "p1-k2", "sp-p2")
+LAYERS = 3
+
+
+def _totals(spans, direction: str) -> dict:
+    from megatron_domino.overlap import summarize
+
+    summary = summarize(spans, direction)
+    return dict(
+        collectives=summary.collectives,
+        overlapped=summary.overlapped,
+        in_flight_ms=summary.in_flight_s * 1e3,
+        exposed_ms=summary.exposed_s * 1e3,
+        hidden_fraction=summary.overlapped_fraction,
+    )
+
+
+def _describe(span) -> str:
+    return f"{span.direction} {span.name} layer {span.layer} chunk {span.chunk} piece {span.piece}"
+
+
+def _record_step(model, batch, config, use_cuda_events: bool):
+    """One warm-up step, then one recorded step; the spans and what was left pending."""
+    from megatron_domino.integration import apply_domino
+    from megatron_domino.overlap import collective_spans
+    from megatron_domino.recorder import EventRecorder
+
+    recorder = EventRecorder(use_cuda_events=use_cuda_events)
+    with apply_domino(model, config, recorder=recorder) as handle:
+        for recorded in (False, True):
+            if recorded:
+                recorder.clear()
+            model.zero_grad(set_to_none=True)
+            loss = model(**batch).float().mean()
+            step = handle.runtime.last_step
+            after_forward = len(step.pending_forward) + len(step.pending_backward)
+            loss.backward()
+            after_backward = len(handle.runtime.last_step.pending_backward)
+    return collective_spans(recorder.events()), after_forward, after_backward
+
+
+def overlap_rank(settings: list[str], device: str, quick: bool, staged: list[str]) -> list[dict]:
+    """Record and check each setting on this rank; one result dict per setting.
+
+    Entry point for :func:`~megatron_domino.gpu_check.ranks.run_ranks` (``init="megatron"``).
+    """
+    import torch.distributed as dist
+
+    from megatron_domino.equivalence import token_batch
+    from megatron_domino.gpu_check.host_staging import host_staged
+    from megatron_domino.gpu_check.models import (
+        MICRO_BATCH,
+        build_on_device,
+        domino_config,
+        model_options,
+    )
+    from megatron_domino.schedule_checks import (
+        collective_counts,
+        count_mismatches,
+        overlap_criterion,
+        overlap_violations,
+    )
+
+    rows = []
+    models = {}
+    with host_staged(staged, verify_on=device):
+        for setting in settings:
+            config, sequence_parallel = domino_config(setting)
+            if sequence_parallel not in models:
+                options = model_options(
+                    "llama",
+                    quick=quick,
+                    bf16=device == "cuda",
+                    sequence_parallel=sequence_parallel,
+                    num_layers=LAYERS,
+                )
+                models[sequence_parallel] = (
+                    build_on_device(options, device),
+                    token_batch(options, MICRO_BATCH, device=device),
+                )
+            model, batch = models[sequence_parallel]
+            spans, after_forward, after_backward = _record_step(
+                model, batch, config, use_cuda_events=device == "cuda"
+            )
+            problems = count_mismatches(
+                spans, config, num_layers=LAYERS, sequence_parallel=sequence_parallel
+            )
+            if after_forward or after_backward:
+                problems.append(
+                    f"left in flight: {after_forward} after forward, {after_backward} after "
+                    "backward"
+                )
+            violations = overlap_violations(spans, config, sequence_parallel=sequence_parallel)
+            problems += [f"overlapped nothing: {_describe(s)}" for s in violations[:5]]
+            counts = collective_counts(spans)
+            rows.append(
+                dict(
+                    setting=setting,
+                    passed=not problems,
+                    problems=problems,
+                    counts={f"{d} {k}": n for (d, k), n in sorted(counts.items())},
+                    criterion=overlap_criterion(config, sequence_parallel=sequence_parallel),
+                    fwd=_totals(spans, "fwd"),
+                    bwd=_totals(spans, "bwd"),
+                    timing="CUDA events" if device == "cuda" else "wall clock",
+                )
+            )
+            if dist.get_rank() == 0:
+                fwd, bwd = rows[-1]["fwd"], rows[-1]["bwd"]
+                print(
+                    f"[gpu_check rank 0] overlap {setting}: {fwd['collectives']} fwd / "
+                    f"{bwd['collectives']} bwd collectives, exposed {fwd['exposed_ms']:.2f} / "
+                    f"{bwd['exposed_ms']:.2f} ms of {fwd['in_flight_ms']:.2f} / "
+                    f"{bwd['in_flight_ms']:.2f} ms in flight -> "
+                    f"{'ok' if not problems else 'FAILED: ' + problems[0]}",
+                    flush=True,
+                )
+    return rows
+
+
+def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
+    """Rank 0's rows (its timings), failed where any rank failed, with every rank's problems."""
+    merged = []
+    for rows in zip(*per_rank, strict=True):
+        row = dict(rows[0])
+        row["passed"] = all(r["passed"] for r in rows)
+        row["problems"] = [f"rank {i}: {p}" for i, r in enumerate(rows) for p in r["problems"]]
+        merged.append(row)
+    return merged

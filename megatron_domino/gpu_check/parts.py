@@ -1,0 +1,403 @@
+"""The four parts of the GPU check, as the parent process runs them, each within a budget.
+
+Each function returns a :class:`~megatron_domino.gpu_check.results.PartResult` and never
+raises for a failure of the thing it checks: a rank that crashes or hangs past the budget is a
+``failed`` part with the traceback's last lines as the reason. The parent imports neither
+Megatron-Core nor the model code; the ranks do (:mod:`megatron_domino.gpu_check.ranks`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Callable
+
+from megatron_domino.gpu_check import check_equivalence, check_overlap, gemm, probe
+from megatron_domino.gpu_check.models import SETTINGS
+from megatron_domino.gpu_check.probe import Collectives, staging_plan
+from megatron_domino.gpu_check.ranks import RankFailure, run_ranks
+from megatron_domino.gpu_check.results import PartResult
+
+__all__ = [
+    "Collectives",
+    "model_parts_unavailable",
+    "run_equivalence",
+    "run_gemm",
+    "run_overlap",
+    "run_probe",
+    "staging_plan",
+]
+
+TP = 2
+
+
+def say(message: str) -> None:
+    print(f"[gpu_check] {message}", flush=True)
+
+
+def _failure_reason(error: BaseException, lines: int = 6) -> str:
+    text = str(error).strip().splitlines()
+    tail = text[-lines:] if len(text) > lines else text
+    return " / ".join(line.strip() for line in tail if line.strip())
+
+
+def model_parts_unavailable() -> str | None:
+    """Why parts 1 and 2 cannot run here (a missing package), or ``None``."""
+    for module, install in (
+        ("megatron.core", "pip install 'megatron-core>=0.16.1,<0.17'"),
+        ("numpy", "pip install numpy"),
+        ("packaging", "pip install packaging"),
+    ):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            return f"{module} is not importable here ({install}); it runs the model parts."
+    from megatron_domino.version import (
+        UnsupportedMegatronVersion,
+        check_megatron_core_version,
+    )
+
+    try:
+        check_megatron_core_version()
+    except UnsupportedMegatronVersion as error:
+        return str(error)
+    return None
+
+
+def run_probe(device: str, budget_s: float) -> tuple[PartResult, dict[str, bool | None]]:
+    """Part 0: which collectives gloo runs on ``device`` tensors (two ranks)."""
+    say(f"probe: gloo collectives on {device} tensors, 2 ranks (budget {budget_s:.0f} s)")
+    start = time.monotonic()
+    try:
+        per_rank = run_ranks(
+            "megatron_domino.gpu_check.probe:probe_rank",
+            TP,
+            device=device,
+            args=(device,),
+            init="plain",
+            timeout_s=budget_s,
+        )
+    except RankFailure as error:
+        unknown = dict.fromkeys(probe.COLLECTIVES)
+        return (
+            PartResult(
+                name="probe",
+                title="0. gloo probe",
+                status="failed",
+                summary="the probe did not finish;",
+                reason=_failure_reason(error),
+                elapsed_s=time.monotonic() - start,
+                budget_s=budget_s,
+            ),
+            unknown,
+        )
+    outcomes = per_rank[0]
+    lines = probe.describe(outcomes)
+    for line in lines:
+        say(f"probe: {line}")
+    supported = probe.supported(outcomes)
+    table = "| collective | dtype | mode | result |\n|---|---|---|---|\n" + "\n".join(
+        f"| {o.collective} | {o.dtype} | {'async_op=True' if o.async_op else 'blocking'} | "
+        f"{'works' if o.ok else o.error.replace('|', '/')} |"
+        for o in outcomes
+    )
+    return (
+        PartResult(
+            name="probe",
+            title="0. gloo probe",
+            status="passed",
+            summary="; ".join(lines),
+            elapsed_s=time.monotonic() - start,
+            budget_s=budget_s,
+            details={"outcomes": [o.__dict__ for o in outcomes], "supported": supported},
+            table=table,
+        ),
+        supported,
+    )
+
+
+def _skipped(name: str, title: str, reason: str, budget_s: float) -> PartResult:
+    say(f"{name}: skipped: {reason}")
+    return PartResult(
+        name=name, title=title, status="skipped", summary="", reason=reason, budget_s=budget_s
+    )
+
+
+def run_equivalence(
+    device: str, quick: bool, collectives: Collectives, budget_s: float
+) -> PartResult:
+    """Part 1: Domino vs unpatched Megatron-Core, loss and every gradient, TP = 2."""
+    title = "1. equivalence (TP=2, loss + grads)"
+    unavailable = model_parts_unavailable()
+    if unavailable:
+        return _skipped("equivalence", title, unavailable, budget_s)
+    cases, skipped = [], []
+    for case in check_equivalence.plan(device=device, quick=quick):
+        missing = collectives.missing_for(SETTINGS[case["setting"]][1])
+        if missing:
+            skipped.append((case, missing))
+        else:
+            cases.append(case)
+    notes = collectives.staging_note()
+    notes += [
+        f"skipped {c['flavour']} {c['dtype']} {c['setting']}: gloo cannot run "
+        f"{', '.join(m)} on {device} tensors and --host-staging is never"
+        for c, m in skipped
+    ]
+    if not cases:
+        reason = f"every case needs a collective gloo lacks on {device}: " + "; ".join(
+            sorted({", ".join(m) for _, m in skipped})
+        )
+        part = _skipped("equivalence", title, reason, budget_s)
+        part.notes = notes
+        return part
+    say(
+        f"equivalence: {len(cases)} cases on 2 ranks ({device}), budget {budget_s:.0f} s, "
+        f"staged: {', '.join(collectives.staged) or 'nothing'}"
+    )
+    start = time.monotonic()
+    try:
+        per_rank = run_ranks(
+            "megatron_domino.gpu_check.check_equivalence:equivalence_rank",
+            TP,
+            device=device,
+            args=(cases, device, quick, list(collectives.staged)),
+            timeout_s=budget_s,
+        )
+    except RankFailure as error:
+        return PartResult(
+            name="equivalence",
+            title=title,
+            status="failed",
+            summary="a rank failed;",
+            reason=_failure_reason(error),
+            elapsed_s=time.monotonic() - start,
+            budget_s=budget_s,
+            notes=notes,
+        )
+    rows = check_equivalence.merge_ranks(per_rank)
+    failed = [r for r in rows if not r["passed"]]
+    worst = max(rows, key=lambda r: r["max_error"] if "revert" not in r["setting"] else -1)
+    summary = (
+        f"{len(rows) - len(failed)} of {len(rows)} checks passed "
+        f"({len(cases)} Domino cases + revert); largest |diff| {worst['max_error']:.2e} "
+        f"({worst['flavour']} {worst['dtype']} {worst['setting']}, {worst['tolerance']})"
+    )
+    if skipped:
+        summary += f"; {len(skipped)} cases skipped (see notes)"
+    table = "| model | dtype | setting | max abs diff | tolerance | result |\n|---|---|---|---|---|---|\n"
+    table += "\n".join(
+        f"| {r['flavour']} | {r['dtype']} | {r['setting']} | {r['max_error']:.2e} | "
+        f"{r['tolerance']} | {'passed' if r['passed'] else 'FAILED: ' + _row_problem(r)} |"
+        for r in rows
+    )
+    return PartResult(
+        name="equivalence",
+        title=title,
+        status="failed" if failed else "passed",
+        summary=summary,
+        reason=(
+            "failed: " + "; ".join(f"{r['flavour']} {r['dtype']} {r['setting']}" for r in failed)
+            if failed
+            else None
+        ),
+        elapsed_s=time.monotonic() - start,
+        budget_s=budget_s,
+        notes=notes,
+        details={
+            "cases": rows,
+            "skipped": [dict(c, missing=m) for c, m in skipped],
+            "numerics": per_rank[0]["numerics"],
+        },
+        table=table,
+    )
+
+
+def _row_problem(row: dict) -> str:
+    if row["left_pending"]:
+        return f"{row['left_pending']} collectives left in flight"
+    if row["mismatches"]:
+        return f"{row['mismatch_count']} tensors off, e.g. {row['mismatches'][0][:160]}"
+    return "outside tolerance"
+
+
+def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: float) -> PartResult:
+    """Part 2: collective counts and overlap from the event recorder (CUDA events on a GPU)."""
+    title = "2. overlap structure (event recorder)"
+    unavailable = model_parts_unavailable()
+    if unavailable:
+        return _skipped("overlap", title, unavailable, budget_s)
+    settings, skipped = [], []
+    for setting in check_overlap.OVERLAP_SETTINGS:
+        missing = collectives.missing_for(SETTINGS[setting][1])
+        (skipped if missing else settings).append(setting)
+    notes = collectives.staging_note()
+    notes += [f"skipped {s}: a collective it needs is unsupported on {device}" for s in skipped]
+    if not settings:
+        part = _skipped("overlap", title, "every setting needs a missing collective", budget_s)
+        part.notes = notes
+        return part
+    timing = "CUDA events" if device == "cuda" else "wall clock"
+    say(f"overlap: {', '.join(settings)} on 2 ranks, {timing}, budget {budget_s:.0f} s")
+    start = time.monotonic()
+    try:
+        per_rank = run_ranks(
+            "megatron_domino.gpu_check.check_overlap:overlap_rank",
+            TP,
+            device=device,
+            args=(settings, device, quick, list(collectives.staged)),
+            timeout_s=budget_s,
+        )
+    except RankFailure as error:
+        return PartResult(
+            name="overlap",
+            title=title,
+            status="failed",
+            summary="a rank failed;",
+            reason=_failure_reason(error),
+            elapsed_s=time.monotonic() - start,
+            budget_s=budget_s,
+            notes=notes,
+        )
+    rows = check_overlap.merge_ranks(per_rank)
+    failed = [r for r in rows if not r["passed"]]
+    fwd_exposed = sum(r["fwd"]["exposed_ms"] for r in rows)
+    fwd_flight = sum(r["fwd"]["in_flight_ms"] for r in rows)
+    bwd_exposed = sum(r["bwd"]["exposed_ms"] for r in rows)
+    bwd_flight = sum(r["bwd"]["in_flight_ms"] for r in rows)
+    summary = (
+        f"{len(rows) - len(failed)} of {len(rows)} settings: counts, nothing pending, overlap "
+        f"criteria hold; rank 0 exposed/in-flight ({timing}): fwd {fwd_exposed:.2f}/"
+        f"{fwd_flight:.2f} ms, bwd {bwd_exposed:.2f}/{bwd_flight:.2f} ms"
+    )
+    table = (
+        "| setting | collectives (fwd / bwd) | overlapped (fwd / bwd) | fwd exposed / in flight | "
+        "bwd exposed / in flight | hidden (fwd / bwd) | result |\n|---|---|---|---|---|---|---|\n"
+    )
+    table += "\n".join(
+        f"| {r['setting']} | {r['fwd']['collectives']} / {r['bwd']['collectives']} | "
+        f"{r['fwd']['overlapped']} / {r['bwd']['overlapped']} | "
+        f"{r['fwd']['exposed_ms']:.2f} / {r['fwd']['in_flight_ms']:.2f} ms | "
+        f"{r['bwd']['exposed_ms']:.2f} / {r['bwd']['in_flight_ms']:.2f} ms | "
+        f"{r['fwd']['hidden_fraction']:.0%} / {r['bwd']['hidden_fraction']:.0%} | "
+        f"{'passed' if r['passed'] else 'FAILED: ' + '; '.join(r['problems'][:2])} |"
+        for r in rows
+    )
+    notes.append(
+        (
+            "exposed/in-flight times are two ranks on one GPU over gloo (reductions on the "
+            "host), not NVLink: a plausibility check of the recorder, not Domino's speed-up."
+        )
+        if device == "cuda"
+        else "exposed/in-flight times are CPU wall clock over loopback gloo."
+    )
+    return PartResult(
+        name="overlap",
+        title=title,
+        status="failed" if failed else "passed",
+        summary=summary,
+        reason=(
+            "failed: " + "; ".join(f"{r['setting']}: {r['problems'][0]}" for r in failed)
+            if failed
+            else None
+        ),
+        elapsed_s=time.monotonic() - start,
+        budget_s=budget_s,
+        notes=notes,
+        details={"settings": rows, "skipped": skipped},
+        table=table,
+    )
+
+
+def run_gemm(
+    device: str,
+    spec: dict[str, tuple[int, ...]],
+    budget_s: float,
+    *,
+    warmup: int,
+    iters: int,
+    progress: Callable[[str], None] = say,
+) -> PartResult:
+    """Part 3: TFLOP/s of the layer's GEMMs per (shape, p, k), and the ratio to p = k = 1."""
+    import torch
+
+    title = "3. GEMM efficiency (p x k splits)"
+    start = time.monotonic()
+    try:
+        configs = gemm.configurations(spec)
+    except ValueError as error:
+        return PartResult(
+            name="gemm",
+            title=title,
+            status="failed",
+            summary="invalid shape set;",
+            reason=str(error),
+            budget_s=budget_s,
+        )
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    say(
+        f"gemm: {len(configs)} configurations, {str(dtype).removeprefix('torch.')}, "
+        f"{'CUDA events' if device == 'cuda' else 'wall clock'}, budget {budget_s:.0f} s"
+    )
+    try:
+        rows, untimed = gemm.time_configurations(
+            configs,
+            device=device,
+            dtype=dtype,
+            warmup=warmup,
+            iters=iters,
+            deadline=start + budget_s,
+            progress=progress,
+        )
+    except Exception as error:  # noqa: BLE001 - e.g. out of memory: report, do not crash
+        return PartResult(
+            name="gemm",
+            title=title,
+            status="failed",
+            summary="timing failed;",
+            reason=f"{type(error).__name__}: {_failure_reason(error, 2)}",
+            elapsed_s=time.monotonic() - start,
+            budget_s=budget_s,
+        )
+    notes = []
+    if untimed:
+        notes.append(
+            f"time budget reached: {len(rows)} of {len(configs)} configurations timed, "
+            f"{untimed} not (raise it with --budget gemm=SECONDS or narrow the shape set)"
+        )
+    if device == "cpu":
+        notes.append("CPU wall-clock GEMM times only exercise the code; they say nothing of a GPU.")
+    ratios = [
+        (r["fwd_ratio"], r) for r in rows if r["fwd_ratio"] is not None and r["p"] * r["k"] > 1
+    ]
+    summary = f"{len(rows)} configurations timed ({str(dtype).removeprefix('torch.')})"
+    if ratios:
+        low, row = min(ratios, key=lambda pair: pair[0])
+        high = max(ratio for ratio, _ in ratios)
+        bwd = [r["bwd_ratio"] for _, r in ratios]
+        summary += (
+            f"; fwd TFLOP/s vs p=1,k=1 from {low:.2f}x (h={row['hidden']} b={row['micro_batch']} "
+            f"s={row['seq']} p={row['p']} k={row['k']}) to {high:.2f}x; bwd from "
+            f"{min(bwd):.2f}x to {max(bwd):.2f}x"
+        )
+    return PartResult(
+        name="gemm",
+        title=title,
+        status="passed" if rows else "failed",
+        summary=summary,
+        reason=None if rows else "no configuration finished within the budget",
+        elapsed_s=time.monotonic() - start,
+        budget_s=budget_s,
+        notes=notes,
+        details={
+            "spec": {k: list(v) for k, v in spec.items()},
+            "dtype": str(dtype),
+            "warmup": warmup,
+            "iters": iters,
+            "rows": rows,
+            "untimed": untimed,
+        },
+        table=gemm.gemm_table(rows) + "\n\nTFLOP/s per rank; ratio: layer TFLOP/s over p=1,k=1.",
+    )

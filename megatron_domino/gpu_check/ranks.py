@@ -1,0 +1,205 @@
+"""Run one function on N gloo ranks, one spawned process each, on the CPU or sharing one GPU.
+
+Megatron-Core keeps its model-parallel state in module globals and torch.distributed allows
+one default process group per process, so each tensor-parallel rank needs a process. On a
+single GPU both ranks use ``cuda:0``: NCCL refuses two ranks on one device, so the process
+group is always gloo (which the probe in :mod:`megatron_domino.gpu_check.probe` checks for
+device tensors).
+
+The function is named as ``"module:function"`` and imported only in the ranks, so the parent
+(which times GEMMs and writes the report) never imports Megatron-Core. Each rank sets, before
+anything touches CUDA:
+
+* ``CUDA_DEVICE_MAX_CONNECTIONS=1``: kernels start in launch order, as Megatron's own overlap
+  expects (Megatron-Core warns without it, also on the CPU);
+* ``--device cpu``: ``CUDA_VISIBLE_DEVICES=""`` (the CPU runtime refuses to run next to a GPU),
+  one intra-op and one inter-op thread per rank so ranks share the cores fairly;
+* ``--device cuda``: ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (needed by deterministic cuBLAS,
+  which the equivalence part turns on).
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+import warnings
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch.multiprocessing as mp
+
+__all__ = ["RankFailure", "run_ranks"]
+
+_POLL_S = 1.0
+
+
+class RankFailure(RuntimeError):
+    """A rank raised, died or did not finish in time; the message carries its traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _device_env(device: str) -> dict[str, str]:
+    if device == "cpu":
+        return {"CUDA_VISIBLE_DEVICES": "", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def _resolve(target: str):
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    device: str,
+    init: str,
+    seed: int,
+    target: str,
+    args: tuple,
+    results: mp.Queue,
+) -> None:
+    """One rank: report ``("ok", rank, pickled result)`` or ``("error", rank, traceback)``."""
+    os.environ.update(
+        _device_env(device),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    # Noise in the progress output: torch deprecates the *_tensor collectives Megatron-Core
+    # calls, and Megatron-Core warns per module that Apex and TE are absent (known here).
+    warnings.filterwarnings(
+        "ignore", message=r".*is deprecated\. Please use", category=FutureWarning
+    )
+    for noise in (
+        "Transformer Engine and Apex are not installed",
+        "Apex is not installed",
+        "full scope is deprecated",
+    ):
+        warnings.filterwarnings("ignore", message=noise)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if device == "cpu":
+            torch.set_num_threads(1)
+            torch.set_num_interop_threads(1)
+        fn = _resolve(target)
+        if init == "plain":
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=datetime.timedelta(seconds=60),
+            )
+            try:
+                result = fn(*args)
+            finally:
+                dist.destroy_process_group()
+        else:
+            from megatron_domino.cpu_runtime import runtime_for_device
+            from megatron_domino.distributed import destroy_distributed, init_distributed
+
+            with runtime_for_device():
+                init_distributed(world_size, seed, backend="gloo")
+                try:
+                    result = fn(*args)
+                finally:
+                    destroy_distributed()
+        results.put(("ok", rank, pickle.dumps(result)))
+    except BaseException:  # noqa: B036 - every failure must reach the parent
+        results.put(("error", rank, traceback.format_exc()))
+
+
+def run_ranks(
+    target: str,
+    world_size: int,
+    *,
+    device: Literal["cpu", "cuda"],
+    args: Sequence[Any] = (),
+    init: Literal["megatron", "plain"] = "megatron",
+    seed: int = 1234,
+    timeout_s: float = 180.0,
+) -> list[Any]:
+    """Run ``target(*args)`` on ``world_size`` gloo ranks; return the results by rank.
+
+    Args:
+        target: ``"package.module:function"``; the function and ``args`` must pickle.
+        world_size: ranks; all of them form one tensor-parallel group (``init="megatron"``).
+        device: ``cpu`` (the CPU runtime, no GPU visible) or ``cuda`` (every rank on
+            ``cuda:0``).
+        init: ``megatron``: :func:`~megatron_domino.distributed.init_distributed` with gloo
+            inside :func:`~megatron_domino.cpu_runtime.runtime_for_device`; ``plain``: only a
+            gloo default process group (enough for the collective probe).
+        seed: Megatron-LM's ``--seed`` for ``init="megatron"``.
+        timeout_s: wall-clock limit; past it every rank is killed.
+    Raises:
+        RankFailure: a rank raised (its traceback is in the message), died without reporting,
+            or the time ran out. All ranks are gone when this returns or raises.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    processes = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, device, init, seed, target, tuple(args), results),
+            name=f"gpu-check-rank{rank}",
+        )
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    outputs: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    finished = False
+    try:
+        while len(outputs) < world_size:
+            try:
+                status, rank, payload = results.get(timeout=_POLL_S)
+            except queue.Empty:
+                _check_progress(processes, outputs, deadline, timeout_s)
+                continue
+            if status == "error":
+                raise RankFailure(f"rank {rank} of {world_size} failed:\n{payload}")
+            outputs[rank] = pickle.loads(payload)
+        finished = True
+    finally:
+        for process in processes:
+            process.join(timeout=10 if finished else 0)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [outputs[rank] for rank in range(world_size)]
+
+
+def _check_progress(
+    processes: Sequence[mp.Process], reported: dict, deadline: float, timeout_s: float
+) -> None:
+    for rank, process in enumerate(processes):
+        if rank not in reported and process.exitcode not in (None, 0):
+            raise RankFailure(
+                f"rank {rank} died with exit code {process.exitcode} without reporting "
+                "(negative: killed by that signal)."
+            )
+    if time.monotonic() > deadline:
+        missing = sorted(set(range(len(processes))) - set(reported))
+        raise RankFailure(
+            f"ranks {missing} did not finish within {timeout_s:.0f} s (a hung collective, or "
+            "the time budget is too small); all ranks were killed."
+        )

@@ -1,0 +1,146 @@
+"""The GPU check's results: one record per part, the machine it ran on, Markdown and JSON.
+
+Every part ends ``passed``, ``failed`` or ``skipped``; ``failed`` and ``skipped`` carry the
+reason. :func:`write_results` saves ``results.json`` (everything, machine-readable) and
+``summary.md`` (the detail tables, then the summary table) into one directory per run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import subprocess
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+__all__ = ["PartResult", "environment", "summary_table", "write_results"]
+
+STATUSES = ("passed", "failed", "skipped")
+
+
+@dataclass
+class PartResult:
+    """One part of the check.
+
+    Attributes:
+        name: short key (``probe``, ``equivalence``, ``overlap``, ``gemm``).
+        title: what the summary table calls it.
+        status: ``passed``, ``failed`` or ``skipped``.
+        summary: one line for the summary table.
+        reason: why it failed or was skipped (``None`` when it passed).
+        elapsed_s: wall time the part took.
+        budget_s: its time budget.
+        notes: caveats the reader must see (host staging, budget cut-offs, skipped cases).
+        details: everything measured, for the JSON file.
+        table: a Markdown detail table, printed before the summary.
+    """
+
+    name: str
+    title: str
+    status: str
+    summary: str
+    reason: str | None = None
+    elapsed_s: float = 0.0
+    budget_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    details: dict = field(default_factory=dict)
+    table: str = ""
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}.")
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git_commit() -> str | None:
+    try:
+        done = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() or None
+
+
+def environment(device: str) -> dict[str, object]:
+    """Date, machine, device and versions, for the report."""
+    cuda = device == "cuda"
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device,
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "gpu_count": torch.cuda.device_count() if cuda else 0,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "megatron_core": _version("megatron-core"),
+        "megatron_domino": _version("megatron-domino"),
+        "transformer_engine": _version("transformer-engine") or _version("transformer_engine"),
+        "git_commit": _git_commit(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+    }
+
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def summary_table(env: dict, parts: list[PartResult], results_path: Path | None = None) -> str:
+    """The Markdown summary: one row per part, then the overall verdict and the caveats."""
+    machine = env["gpu"] or f"CPU ({env['processor']})"
+    lines = [
+        f"## GPU check summary: {machine}, torch {env['torch']}, megatron-core "
+        f"{env['megatron_core']}, {env['date']}",
+        "",
+        "| part | status | time | result |",
+        "|---|---|---|---|",
+    ]
+    for part in parts:
+        result = part.summary if part.reason is None else f"{part.summary} {part.reason}".strip()
+        lines.append(
+            f"| {_cell(part.title)} | {part.status} | {part.elapsed_s:.0f} s of "
+            f"{part.budget_s:.0f} s | {_cell(result)} |"
+        )
+    failed = [p.title for p in parts if p.status == "failed"]
+    skipped = [p.title for p in parts if p.status == "skipped"]
+    verdict = "FAILED: " + ", ".join(failed) if failed else "passed"
+    if skipped:
+        verdict += f" (skipped: {', '.join(skipped)})"
+    lines += ["", f"**Overall: {verdict}.**"]
+    notes = [f"{p.title}: {note}" for p in parts for note in p.notes]
+    if notes:
+        lines += ["", "Notes:", *[f"- {_cell(note)}" for note in notes]]
+    if results_path is not None:
+        lines += ["", f"Results: {results_path}"]
+    return "\n".join(lines)
+
+
+def write_results(out_dir: Path, env: dict, parts: list[PartResult], argv: list[str]) -> Path:
+    """Write ``results.json`` and ``summary.md`` into ``out_dir``; return ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = {
+        "environment": env,
+        "argv": argv,
+        "overall": "failed" if any(p.status == "failed" for p in parts) else "passed",
+        "parts": [asdict(p) for p in parts],
+    }
+    (out_dir / "results.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    tables = [f"### {p.title}\n\n{p.table}\n" for p in parts if p.table]
+    summary = summary_table(env, parts, out_dir)
+    (out_dir / "summary.md").write_text("\n".join([*tables, summary]) + "\n")
+    return out_dir

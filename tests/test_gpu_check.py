@@ -1,0 +1,284 @@
+"""``python -m megatron_domino.gpu_check``: its logic on the CPU, and the real check on a GPU.
+
+The GPU check cannot run here, so the CPU tests run the same code paths with
+``--device cpu --quick`` (gloo, fp32, tiny shapes, wall clock) through the wrapper script, with
+the model parts going through the host-staging shim (which every rank job verifies on two
+ranks), check the shim's patching in process, and guard the shared comparison helpers against
+drifting from the CPU equivalence and overlap tests they were factored from. The test marked
+``gpu`` runs the check on CUDA and is skipped without a GPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_domino.gpu_check import cli, gemm, parts, probe
+
+ROOT = Path(__file__).resolve().parent.parent
+WRAPPER = ROOT / "scripts" / "gpu_check.sh"
+
+
+def _run_wrapper(out_dir: Path, *flags: str, timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GPU_CHECK_OUT_DIR": str(out_dir), "PYTHON": sys.executable}
+    return subprocess.run(
+        ["bash", str(WRAPPER), *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+# --- end to end on the CPU -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("gpu_check")
+    # --host-staging always: the model parts run through the test-only shim, which each rank
+    # job first verifies with the probe's checks on two ranks; without it (the default on the
+    # CPU, where gloo runs everything) the code path differs only by that shim.
+    done = _run_wrapper(
+        out_dir, "--device", "cpu", "--quick", "--host-staging", "always", timeout=240
+    )
+    return out_dir, done
+
+
+def test_cpu_quick_run_passes_and_prints_the_summary_last(cpu_run):
+    out_dir, done = cpu_run
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    run_dir = out_dir / os.readlink(out_dir / "latest")
+    # The wrapper's path line, then the summary table's last lines.
+    assert lines[-1] == f"gpu_check results: {run_dir}"
+    assert lines[-2] == f"Results: {run_dir}"
+    assert "**Overall: passed.**" in lines
+    summary = done.stdout[done.stdout.index("## GPU check summary") :]
+    for title in ("0. gloo probe", "1. equivalence", "2. overlap structure", "3. GEMM efficiency"):
+        assert f"| {title}" in summary
+    assert "###" not in summary, "detail tables must come before the summary"
+    assert (run_dir / "summary.md").read_text().rstrip().endswith(f"Results: {run_dir}")
+
+
+def test_cpu_quick_run_writes_the_json_record(cpu_run):
+    out_dir, _ = cpu_run
+    record = json.loads((out_dir / "latest" / "results.json").read_text())
+    env = record["environment"]
+    assert env["device"] == "cpu" and env["gpu"] is None
+    assert env["torch"] == torch.__version__ and env["date"]
+    assert record["overall"] == "passed"
+    assert "TEST-ONLY shim" in " ".join(record["parts"][1]["notes"])
+    by_name = {p["name"]: p for p in record["parts"]}
+    assert {name: p["status"] for name, p in by_name.items()} == dict.fromkeys(
+        ("probe", "equivalence", "overlap", "gemm"), "passed"
+    )
+    assert by_name["probe"]["details"]["supported"] == dict.fromkeys(probe.COLLECTIVES, True)
+    cases = by_name["equivalence"]["details"]["cases"]
+    assert [c["setting"] for c in cases] == [
+        "p2",
+        "p2-k2",
+        "revert (plain)",
+        "sp-p2",
+        "revert (sp)",
+    ]
+    assert all(c["passed"] and c["max_error"] < 1e-6 for c in cases)
+    # Two input-gradient all-reduces per layer and chunk (2 layers, p = 2) without SP.
+    assert [c["dgrad_slots"] for c in cases if c["setting"] in ("p2", "p2-k2")] == [8, 8]
+    overlap = {s["setting"]: s for s in by_name["overlap"]["details"]["settings"]}
+    assert overlap["p2-k2"]["counts"] == {"bwd ar": 12, "fwd ar": 24}
+    assert overlap["sp-p2"]["counts"] == {"bwd ag": 12, "bwd rs": 12, "fwd ag": 12, "fwd rs": 12}
+    assert all(s["passed"] and s["timing"] == "wall clock" for s in overlap.values())
+    rows = by_name["gemm"]["details"]["rows"]
+    assert [(r["p"], r["k"]) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert rows[0]["fwd_ratio"] == rows[0]["bwd_ratio"] == 1.0
+    assert all(r["fwd_tflops"] > 0 and r["bwd_tflops"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_without_cuda_the_check_refuses_and_names_the_cpu_mode(tmp_path):
+    done = _run_wrapper(tmp_path, timeout=120)
+    assert done.returncode == 2
+    assert cli.NO_CUDA in done.stderr and "--device cpu --quick" in done.stderr
+    assert "gpu_check results:" not in done.stdout and not (tmp_path / "latest").exists()
+
+
+# --- the host-staging shim, in process ---------------------------------------------------------
+
+
+@pytest.fixture
+def one_rank_group():
+    """A world-size-1 gloo group in this process, destroyed afterwards."""
+    import torch.distributed as dist
+
+    from megatron_domino.gpu_check.ranks import _free_port
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_host_staging_shim_patches_megatron_too_and_restores_everything(one_rank_group):
+    """What the two-rank end-to-end run cannot see: which names are replaced, that the
+    replacements keep autograd's version counter, and that everything comes back. (That the
+    staged collectives really sum across ranks is checked in that run: every rank job verifies
+    the shim with the probe's numeric checks before using it.)"""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import layers, mappings
+
+    from megatron_domino.gpu_check.host_staging import STAGEABLE, host_staged
+
+    assert STAGEABLE == probe.COLLECTIVES
+    originals = {name: getattr(dist, name) for name in STAGEABLE}
+    megatron_gather, megatron_scatter = (
+        mappings.dist_all_gather_func,
+        layers.dist_reduce_scatter_func,
+    )
+    with host_staged(STAGEABLE, verify_on="cpu") as staged:
+        assert staged == list(STAGEABLE)
+        assert all(getattr(dist, name) is not originals[name] for name in STAGEABLE)
+        assert mappings.dist_all_gather_func is dist.all_gather_into_tensor
+        assert layers.dist_reduce_scatter_func is dist.reduce_scatter_tensor
+        tensor = torch.ones(4, requires_grad=True).clone()
+        version = tensor._version
+        work = dist.all_reduce(tensor, async_op=True)
+        assert not work.is_completed()
+        work.wait()
+        assert work.is_completed() and tensor._version == version
+        gathered = torch.empty(4)
+        assert dist.all_gather_into_tensor(gathered, torch.arange(4.0)) is None
+        assert gathered.tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert all(getattr(dist, name) is originals[name] for name in STAGEABLE)
+    assert mappings.dist_all_gather_func is megatron_gather
+    assert layers.dist_reduce_scatter_func is megatron_scatter
+    with pytest.raises(ValueError, match="cannot stage 'broadcast'"):
+        with host_staged(["broadcast"]):
+            pass
+
+
+# --- planning, without processes --------------------------------------------------------------
+
+
+def test_staging_plan_policies():
+    probe_found = {"all_reduce": True, "all_gather_into_tensor": False}
+    auto = parts.staging_plan(probe_found, "auto")
+    assert auto.staged == ("all_gather_into_tensor", "reduce_scatter_tensor")
+    assert auto.missing_for(True) == [] and auto.staging_note()
+    never = parts.staging_plan(probe_found, "never")
+    assert never.staged == () and never.missing_for(False) == []
+    assert never.missing_for(True) == ["all_gather_into_tensor", "reduce_scatter_tensor"]
+    assert parts.staging_plan({}, "always").staged == probe.COLLECTIVES
+
+
+def test_unsupported_collectives_skip_cases_with_the_reason():
+    nothing = parts.staging_plan(dict.fromkeys(probe.COLLECTIVES, False), "never")
+    part = parts.run_equivalence("cuda", True, nothing, budget_s=1)
+    assert part.status == "skipped" and "all_reduce" in part.reason
+    sp_only = parts.staging_plan({"all_reduce": True}, "never")
+    part = parts.run_overlap("cpu", True, sp_only, budget_s=0.001)
+    # The plain settings run (and fail on the impossible budget); sp-p2 is skipped by name.
+    assert part.status == "failed" and any("skipped sp-p2" in note for note in part.notes)
+
+
+def test_gemm_configurations_put_the_baseline_first_and_validate():
+    configs = gemm.configurations(gemm.PRESETS["paper"])
+    assert len(configs) == 2 * 3 * 3 * 3 * 3
+    assert all((c.chunks, c.column_chunks) == (1, 1) for c in configs[::9])
+    with pytest.raises(ValueError, match="not divisible by p=4"):
+        gemm.configurations(dict(gemm.PRESETS["cpu"], micro_batch=(2,), chunks=(4,)))
+    args = cli.parse_args(["--device", "cpu", "--gemm-hidden", "512", "--gemm-chunks", "1,4"])
+    spec = cli.gemm_spec(args)
+    assert spec["hidden"] == (512,) and spec["chunks"] == (1, 4) and spec["tp"] == (2,)
+    assert cli.gemm_spec(cli.parse_args([]))["hidden"] == (4096, 8192)
+    assert cli.gemm_spec(cli.parse_args(["--quick"]))["seq"] == (1024,)
+
+
+def test_gemm_timing_stops_at_the_deadline():
+    configs = gemm.configurations(gemm.PRESETS["cpu"])
+    rows, untimed = gemm.time_configurations(
+        configs,
+        device="cpu",
+        dtype=torch.float32,
+        warmup=0,
+        iters=1,
+        deadline=0.0,
+        progress=lambda _: None,
+    )
+    assert rows == [] and untimed == len(configs)
+
+
+def test_budget_and_parts_flags_are_validated():
+    args = cli.parse_args(["--budget", "gemm=30", "--parts", "gemm,probe"])
+    assert args.budget == [("gemm", 30.0)] and args.parts == ("gemm", "probe")
+    for bad in (["--budget", "gemm"], ["--budget", "nope=3"], ["--parts", "equivalence,x"]):
+        with pytest.raises(SystemExit):
+            cli.parse_args(bad)
+
+
+# --- the shared helpers match the CPU tests they came from -------------------------------------
+
+
+def test_shared_comparison_helpers_match_the_cpu_equivalence_tests():
+    import test_domino_equivalence as cpu_test
+
+    from megatron_domino.equivalence import TOLERANCES, token_batch, tolerance_for
+
+    assert TOLERANCES == cpu_test.TOLERANCE
+    for options in cpu_test.MODELS.values():
+        assert (
+            tolerance_for(options)
+            == cpu_test.TOLERANCE[torch.bfloat16 if options.bf16 else torch.float32]
+        )
+        ours, theirs = token_batch(options, cpu_test.MICRO_BATCH), cpu_test._batch(options)
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_expected_counts_match_the_cpu_overlap_tests():
+    import test_domino_overlap as overlap_test
+    import test_domino_sequence_parallel as sp_test
+
+    from megatron_domino.config import DominoConfig
+    from megatron_domino.schedule_checks import expected_collective_counts
+
+    for settings in overlap_test.SETTINGS.values():
+        config = DominoConfig(**settings)
+        want = expected_collective_counts(
+            config, num_layers=overlap_test.LAYERS, sequence_parallel=False
+        )
+        p, k = config.chunks, config.column_chunks
+        assert want["fwd", "ar"] == overlap_test.LAYERS * 2 * p * k
+        assert want["bwd", "ar"] == (overlap_test.LAYERS * 2 * p if config.backward_overlap else 0)
+    for settings in sp_test.SETTINGS.values():
+        config = DominoConfig(**settings)
+        want = expected_collective_counts(config, num_layers=sp_test.LAYERS, sequence_parallel=True)
+        p, k = config.chunks, config.column_chunks
+        assert want["fwd", "ag"] == want["bwd", "ag"] == sp_test.LAYERS * 2 * p
+        assert want["fwd", "rs"] == want["bwd", "rs"] == sp_test.LAYERS * 2 * p * k
+
+
+# --- the real thing --------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_check_on_cuda(tmp_path):
+    """The check on this machine's GPU (``--quick``: the full run is the script itself)."""
+    done = _run_wrapper(tmp_path, "--quick", timeout=600)
+    print(done.stdout[-8000:])
+    assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
+    record = json.loads((tmp_path / "latest" / "results.json").read_text())
+    assert record["environment"]["gpu"]
+    for part in record["parts"]:
+        assert part["status"] in ("passed", "skipped"), part
+        assert part["status"] == "passed" or part["reason"], part
