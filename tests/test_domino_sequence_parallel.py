@@ -8,18 +8,24 @@ show, per layer and chunk, an all-gather before each column-parallel linear and 
 reduce-scatter after each row-parallel one (``k`` of them with column pieces), each matched in
 backward, and nothing left in flight.
 
-Tolerances (fp32): ``atol = 1e-6, rtol = 1e-5``; only the order of floating-point sums
-changes (measured differences are below 1e-7).
+Tolerances: :data:`megatron_domino.equivalence.TOLERANCES` (fp32 ``atol = 1e-6, rtol = 1e-5``);
+only the order of floating-point sums changes (measured differences are below 1e-7).
 """
 
 from __future__ import annotations
 
 import pytest
-import torch
 from multiproc import run_on_ranks
 
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
-from megatron_domino.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
+from megatron_domino.equivalence import (
+    forward_backward,
+    max_abs_error,
+    mismatches,
+    token_batch,
+    tolerance_for,
+)
+from megatron_domino.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.integration import apply_domino
 from megatron_domino.overlap import collective_spans
 from megatron_domino.recorder import EventRecorder
@@ -60,45 +66,22 @@ SETTINGS = {
     "p1-k2": dict(chunks=1, column_chunks=2),
     "p2-intra-layer": dict(chunks=2, inter_layer=False),
 }
-TOLERANCE = dict(atol=1e-6, rtol=1e-5)
-
-
-def _batch(options: GPTOptions) -> dict:
-    s = options.seq_length
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, options.vocab_size, (4, s), generator=generator)
-    return dict(
-        input_ids=tokens,
-        position_ids=torch.arange(s).expand(4, s),
-        attention_mask=causal_attention_mask(s, "cpu"),
-        labels=torch.randint(0, options.vocab_size, (4, s), generator=generator),
-    )
-
-
-def _forward_backward(model, batch):
-    model.zero_grad(set_to_none=True)
-    loss = model(**batch)
-    loss.mean().backward()
-    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 def _compare() -> dict:
     counts = {}
     for model_name, options in MODELS.items():
         model = build_gpt_model(options)
-        batch = _batch(options)
-        loss_ref, grads_ref = _forward_backward(model, batch)
+        batch = token_batch(options, 4)
+        reference = forward_backward(model, batch)
         for setting, kwargs in SETTINGS.items():
             recorder = EventRecorder()
             with apply_domino(model, DominoConfig(**kwargs), recorder=recorder) as handle:
-                loss, grads = _forward_backward(model, batch)
+                result = forward_backward(model, batch)
                 step = handle.runtime.last_step
                 assert not step.pending_forward and not step.pending_backward
-            torch.testing.assert_close(loss, loss_ref, **TOLERANCE)
-            for name, grad in grads_ref.items():
-                torch.testing.assert_close(
-                    grads[name], grad, **TOLERANCE, msg=lambda m, n=name, s=setting: f"{s} {n}: {m}"
-                )
+            wrong = mismatches(result, reference, tolerance_for(options))
+            assert not wrong, (model_name, setting, wrong[:3])
             spans = collective_spans(recorder.events())
             counts[(model_name, setting)] = {(s.direction, s.name.split("_")[-1]): 0 for s in spans}
             for s in spans:
@@ -108,7 +91,7 @@ def _compare() -> dict:
                     (s for s in spans if s.direction == direction), key=lambda s: s.launch_s
                 )
                 counts[(model_name, setting, direction)] = [bool(s.overlapped_by) for s in chosen]
-        assert _forward_backward(model, batch)[0].equal(loss_ref), "revert changed the model"
+        assert max_abs_error(forward_backward(model, batch), reference) == 0, "revert changed it"
     return counts
 
 
