@@ -69,30 +69,22 @@ def model_parts_unavailable() -> str | None:
 def run_probe(device: str, budget_s: float) -> tuple[PartResult, dict[str, bool | None]]:
     """Part 0: which collectives gloo runs on ``device`` tensors (two ranks)."""
     say(f"probe: gloo collectives on {device} tensors, 2 ranks (budget {budget_s:.0f} s)")
-    start = time.monotonic()
-    try:
-        per_rank = run_ranks(
-            "megatron_domino.gpu_check.probe:probe_rank",
-            TP,
-            device=device,
-            args=(device,),
-            init="plain",
-            timeout_s=budget_s,
-        )
-    except RankFailure as error:
-        unknown = dict.fromkeys(probe.COLLECTIVES)
-        return (
-            PartResult(
-                name="probe",
-                title="0. gloo probe",
-                status="failed",
-                summary="the probe did not finish;",
-                reason=_failure_reason(error),
-                elapsed_s=time.monotonic() - start,
-                budget_s=budget_s,
-            ),
-            unknown,
-        )
+    part = PartResult(
+        name="probe",
+        title="0. gloo probe",
+        status="passed",
+        summary="the probe did not finish;",
+        budget_s=budget_s,
+    )
+    per_rank = _run_part_ranks(
+        "megatron_domino.gpu_check.probe:probe_rank",
+        part,
+        device=device,
+        args=(device,),
+        init="plain",
+    )
+    if per_rank is None:
+        return part, dict.fromkeys(probe.COLLECTIVES)
     outcomes = per_rank[0]
     lines = probe.describe(outcomes)
     for line in lines:
@@ -103,19 +95,25 @@ def run_probe(device: str, budget_s: float) -> tuple[PartResult, dict[str, bool 
         f"{'works' if o.ok else o.error.replace('|', '/')} |"
         for o in outcomes
     )
-    return (
-        PartResult(
-            name="probe",
-            title="0. gloo probe",
-            status="passed",
-            summary="; ".join(lines),
-            elapsed_s=time.monotonic() - start,
-            budget_s=budget_s,
-            details={"outcomes": [o.__dict__ for o in outcomes], "supported": supported},
-            table=table,
-        ),
-        supported,
-    )
+    part.summary = "; ".join(lines)
+    part.details = {"outcomes": [o.__dict__ for o in outcomes], "supported": supported}
+    part.table = table
+    return part, supported
+
+
+def _run_part_ranks(target: str, part: PartResult, *, device: str, args: tuple, **options):
+    """Run ``target`` on the TP ranks; on a rank failure, fill ``part`` as failed instead.
+
+    Returns the per-rank results, or ``None`` when ``part`` now describes the failure.
+    """
+    start = time.monotonic()
+    try:
+        return run_ranks(target, TP, device=device, args=args, timeout_s=part.budget_s, **options)
+    except RankFailure as error:
+        part.status, part.reason = "failed", _failure_reason(error)
+        return None
+    finally:
+        part.elapsed_s = time.monotonic() - start
 
 
 def _skipped(name: str, title: str, reason: str, budget_s: float) -> PartResult:
@@ -157,26 +155,23 @@ def run_equivalence(
         f"equivalence: {len(cases)} cases on 2 ranks ({device}), budget {budget_s:.0f} s, "
         f"staged: {', '.join(collectives.staged) or 'nothing'}"
     )
-    start = time.monotonic()
-    try:
-        per_rank = run_ranks(
-            "megatron_domino.gpu_check.check_equivalence:equivalence_rank",
-            TP,
-            device=device,
-            args=(cases, device, quick, list(collectives.staged)),
-            timeout_s=budget_s,
-        )
-    except RankFailure as error:
-        return PartResult(
-            name="equivalence",
-            title=title,
-            status="failed",
-            summary="a rank failed;",
-            reason=_failure_reason(error),
-            elapsed_s=time.monotonic() - start,
-            budget_s=budget_s,
-            notes=notes,
-        )
+    failed_part = PartResult(
+        name="equivalence",
+        title=title,
+        status="failed",
+        summary="a rank failed;",
+        budget_s=budget_s,
+        notes=notes,
+    )
+    per_rank = _run_part_ranks(
+        "megatron_domino.gpu_check.check_equivalence:equivalence_rank",
+        failed_part,
+        device=device,
+        args=(cases, device, quick, list(collectives.staged)),
+    )
+    if per_rank is None:
+        return failed_part
+    start = time.monotonic() - failed_part.elapsed_s
     rows = check_equivalence.merge_ranks(per_rank)
     failed = [r for r in rows if not r["passed"]]
     worst = max(rows, key=lambda r: r["max_error"] if "revert" not in r["setting"] else -1)
@@ -241,26 +236,23 @@ def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: fl
         return part
     timing = "CUDA events" if device == "cuda" else "wall clock"
     say(f"overlap: {', '.join(settings)} on 2 ranks, {timing}, budget {budget_s:.0f} s")
-    start = time.monotonic()
-    try:
-        per_rank = run_ranks(
-            "megatron_domino.gpu_check.check_overlap:overlap_rank",
-            TP,
-            device=device,
-            args=(settings, device, quick, list(collectives.staged)),
-            timeout_s=budget_s,
-        )
-    except RankFailure as error:
-        return PartResult(
-            name="overlap",
-            title=title,
-            status="failed",
-            summary="a rank failed;",
-            reason=_failure_reason(error),
-            elapsed_s=time.monotonic() - start,
-            budget_s=budget_s,
-            notes=notes,
-        )
+    failed_part = PartResult(
+        name="overlap",
+        title=title,
+        status="failed",
+        summary="a rank failed;",
+        budget_s=budget_s,
+        notes=notes,
+    )
+    per_rank = _run_part_ranks(
+        "megatron_domino.gpu_check.check_overlap:overlap_rank",
+        failed_part,
+        device=device,
+        args=(settings, device, quick, list(collectives.staged)),
+    )
+    if per_rank is None:
+        return failed_part
+    start = time.monotonic() - failed_part.elapsed_s
     rows = check_overlap.merge_ranks(per_rank)
     failed = [r for r in rows if not r["passed"]]
     fwd_exposed = sum(r["fwd"]["exposed_ms"] for r in rows)
