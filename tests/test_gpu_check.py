@@ -117,7 +117,7 @@ def one_rank_group():
     """A world-size-1 gloo group in this process, destroyed afterwards."""
     import torch.distributed as dist
 
-    from megatron_domino.gpu_check.ranks import _free_port
+    from megatron_domino.ranks import _free_port
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1

@@ -46,7 +46,7 @@ def equivalence_rank(
 ) -> dict[str, object]:
     """Run ``cases`` on this rank; one result dict per case, plus a ``revert`` row per model.
 
-    Entry point for :func:`~megatron_domino.gpu_check.ranks.run_ranks` (``init="megatron"``).
+    Entry point for :func:`~megatron_domino.ranks.run_ranks` (``init="megatron"``).
     """
     from megatron_domino.equivalence import compare_with_stock, token_batch, tolerance_for
     from megatron_domino.gpu_check.host_staging import host_staged

@@ -59,7 +59,7 @@ def _record_step(model, batch, config, use_cuda_events: bool):
 def overlap_rank(settings: list[str], device: str, quick: bool, staged: list[str]) -> list[dict]:
     """Record and check each setting on this rank; one result dict per setting.
 
-    Entry point for :func:`~megatron_domino.gpu_check.ranks.run_ranks` (``init="megatron"``).
+    Entry point for :func:`~megatron_domino.ranks.run_ranks` (``init="megatron"``).
     """
     import torch.distributed as dist
 

@@ -3,7 +3,7 @@
 Each function returns a :class:`~megatron_domino.gpu_check.results.PartResult` and never
 raises for a failure of the thing it checks: a rank that crashes or hangs past the budget is a
 ``failed`` part with the traceback's last lines as the reason. The parent imports neither
-Megatron-Core nor the model code; the ranks do (:mod:`megatron_domino.gpu_check.ranks`).
+Megatron-Core nor the model code; the ranks do (:mod:`megatron_domino.ranks`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from collections.abc import Callable
 from megatron_domino.gpu_check import check_equivalence, check_overlap, gemm, probe
 from megatron_domino.gpu_check.models import SETTINGS
 from megatron_domino.gpu_check.probe import Collectives, staging_plan
-from megatron_domino.gpu_check.ranks import RankFailure, run_ranks
 from megatron_domino.gpu_check.results import PartResult
+from megatron_domino.ranks import RankFailure, run_ranks
 
 __all__ = [
     "Collectives",

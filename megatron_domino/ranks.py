@@ -1,5 +1,7 @@
 """Run one function on N gloo ranks, one spawned process each, on the CPU or sharing one GPU.
 
+Used by the test suite (``tests/multiproc.py``) and by ``python -m megatron_domino.gpu_check``.
+
 Megatron-Core keeps its model-parallel state in module globals and torch.distributed allows
 one default process group per process, so each tensor-parallel rank needs a process. On a
 single GPU both ranks use ``cuda:0``: NCCL refuses two ranks on one device, so the process
@@ -7,7 +9,7 @@ group is always gloo (which the probe in :mod:`megatron_domino.gpu_check.probe` 
 device tensors).
 
 The function is named as ``"module:function"`` and imported only in the ranks, so the parent
-(which times GEMMs and writes the report) never imports Megatron-Core. Each rank sets, before
+(e.g. the GPU check, which times GEMMs and writes the report) never imports Megatron-Core. Each rank sets, before
 anything touches CUDA:
 
 * ``CUDA_DEVICE_MAX_CONNECTIONS=1``: kernels start in launch order, as Megatron's own overlap
@@ -66,6 +68,7 @@ def _rank_main(
     port: int,
     device: str,
     init: str,
+    tensor_model_parallel_size: int,
     seed: int,
     target: str,
     args: tuple,
@@ -116,7 +119,7 @@ def _rank_main(
             from megatron_domino.distributed import destroy_distributed, init_distributed
 
             with runtime_for_device():
-                init_distributed(world_size, seed, backend="gloo")
+                init_distributed(tensor_model_parallel_size, seed, backend="gloo")
                 try:
                     result = fn(*args)
                 finally:
@@ -133,6 +136,7 @@ def run_ranks(
     device: Literal["cpu", "cuda"],
     args: Sequence[Any] = (),
     init: Literal["megatron", "plain"] = "megatron",
+    tensor_model_parallel_size: int | None = None,
     seed: int = 1234,
     timeout_s: float = 180.0,
 ) -> list[Any]:
@@ -140,26 +144,29 @@ def run_ranks(
 
     Args:
         target: ``"package.module:function"``; the function and ``args`` must pickle.
-        world_size: ranks; all of them form one tensor-parallel group (``init="megatron"``).
+        world_size: ranks (processes).
         device: ``cpu`` (the CPU runtime, no GPU visible) or ``cuda`` (every rank on
             ``cuda:0``).
         init: ``megatron``: :func:`~megatron_domino.distributed.init_distributed` with gloo
             inside :func:`~megatron_domino.cpu_runtime.runtime_for_device`; ``plain``: only a
             gloo default process group (enough for the collective probe).
+        tensor_model_parallel_size: TP size for ``init="megatron"``; defaults to
+            ``world_size`` (all ranks in one tensor-parallel group).
         seed: Megatron-LM's ``--seed`` for ``init="megatron"``.
         timeout_s: wall-clock limit; past it every rank is killed.
     Raises:
         RankFailure: a rank raised (its traceback is in the message), died without reporting,
             or the time ran out. All ranks are gone when this returns or raises.
     """
+    tp = world_size if tensor_model_parallel_size is None else tensor_model_parallel_size
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     processes = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, device, init, seed, target, tuple(args), results),
-            name=f"gpu-check-rank{rank}",
+            args=(rank, world_size, port, device, init, tp, seed, target, tuple(args), results),
+            name=f"rank{rank}",
         )
         for rank in range(world_size)
     ]
