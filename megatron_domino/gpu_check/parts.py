@@ -69,22 +69,20 @@ def model_parts_unavailable() -> str | None:
 def run_probe(device: str, budget_s: float) -> tuple[PartResult, dict[str, bool | None]]:
     """Part 0: which collectives gloo runs on ``device`` tensors (two ranks)."""
     say(f"probe: gloo collectives on {device} tensors, 2 ranks (budget {budget_s:.0f} s)")
-    part = PartResult(
-        name="probe",
-        title="0. gloo probe",
-        status="passed",
-        summary="the probe did not finish;",
-        budget_s=budget_s,
-    )
-    per_rank = _run_part_ranks(
+    title = "0. gloo probe"
+    start = time.monotonic()
+    per_rank, failed_part = _run_part_ranks(
         "megatron_domino.gpu_check.probe:probe_rank",
-        part,
+        name="probe",
+        title=title,
+        budget_s=budget_s,
         device=device,
         args=(device,),
+        failure_summary="the probe did not finish;",
         init="plain",
     )
-    if per_rank is None:
-        return part, dict.fromkeys(probe.COLLECTIVES)
+    if failed_part is not None:
+        return failed_part, dict.fromkeys(probe.COLLECTIVES)
     outcomes = per_rank[0]
     lines = probe.describe(outcomes)
     for line in lines:
@@ -95,25 +93,50 @@ def run_probe(device: str, budget_s: float) -> tuple[PartResult, dict[str, bool 
         f"{'works' if o.ok else o.error.replace('|', '/')} |"
         for o in outcomes
     )
-    part.summary = "; ".join(lines)
-    part.details = {"outcomes": [o.__dict__ for o in outcomes], "supported": supported}
-    part.table = table
+    part = PartResult(
+        name="probe",
+        title=title,
+        status="passed",
+        summary="; ".join(lines),
+        elapsed_s=time.monotonic() - start,
+        budget_s=budget_s,
+        details={"outcomes": [o.__dict__ for o in outcomes], "supported": supported},
+        table=table,
+    )
     return part, supported
 
 
-def _run_part_ranks(target: str, part: PartResult, *, device: str, args: tuple, **options):
-    """Run ``target`` on the TP ranks; on a rank failure, fill ``part`` as failed instead.
+def _run_part_ranks(
+    target: str,
+    *,
+    name: str,
+    title: str,
+    budget_s: float,
+    device: str,
+    args: tuple,
+    notes: list[str] | None = None,
+    failure_summary: str = "a rank failed;",
+    **options,
+) -> tuple[list | None, PartResult | None]:
+    """Run ``target`` on the TP ranks within the part's budget.
 
-    Returns the per-rank results, or ``None`` when ``part`` now describes the failure.
+    Returns ``(per-rank results, None)``, or ``(None, the part's failed result)`` when a rank
+    raised, died or ran out of time.
     """
     start = time.monotonic()
     try:
-        return run_ranks(target, TP, device=device, args=args, timeout_s=part.budget_s, **options)
+        return run_ranks(target, TP, device=device, args=args, timeout_s=budget_s, **options), None
     except RankFailure as error:
-        part.status, part.reason = "failed", _failure_reason(error)
-        return None
-    finally:
-        part.elapsed_s = time.monotonic() - start
+        return None, PartResult(
+            name=name,
+            title=title,
+            status="failed",
+            summary=failure_summary,
+            reason=_failure_reason(error),
+            elapsed_s=time.monotonic() - start,
+            budget_s=budget_s,
+            notes=notes or [],
+        )
 
 
 def _skipped(name: str, title: str, reason: str, budget_s: float) -> PartResult:
@@ -155,23 +178,18 @@ def run_equivalence(
         f"equivalence: {len(cases)} cases on 2 ranks ({device}), budget {budget_s:.0f} s, "
         f"staged: {', '.join(collectives.staged) or 'nothing'}"
     )
-    failed_part = PartResult(
+    start = time.monotonic()
+    per_rank, failed_part = _run_part_ranks(
+        "megatron_domino.gpu_check.check_equivalence:equivalence_rank",
         name="equivalence",
         title=title,
-        status="failed",
-        summary="a rank failed;",
         budget_s=budget_s,
-        notes=notes,
-    )
-    per_rank = _run_part_ranks(
-        "megatron_domino.gpu_check.check_equivalence:equivalence_rank",
-        failed_part,
         device=device,
         args=(cases, device, quick, list(collectives.staged)),
+        notes=notes,
     )
-    if per_rank is None:
+    if failed_part is not None:
         return failed_part
-    start = time.monotonic() - failed_part.elapsed_s
     rows = check_equivalence.merge_ranks(per_rank)
     failed = [r for r in rows if not r["passed"]]
     worst = max(rows, key=lambda r: r["max_error"] if "revert" not in r["setting"] else -1)
@@ -236,23 +254,18 @@ def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: fl
         return part
     timing = "CUDA events" if device == "cuda" else "wall clock"
     say(f"overlap: {', '.join(settings)} on 2 ranks, {timing}, budget {budget_s:.0f} s")
-    failed_part = PartResult(
+    start = time.monotonic()
+    per_rank, failed_part = _run_part_ranks(
+        "megatron_domino.gpu_check.check_overlap:overlap_rank",
         name="overlap",
         title=title,
-        status="failed",
-        summary="a rank failed;",
         budget_s=budget_s,
-        notes=notes,
-    )
-    per_rank = _run_part_ranks(
-        "megatron_domino.gpu_check.check_overlap:overlap_rank",
-        failed_part,
         device=device,
         args=(settings, device, quick, list(collectives.staged)),
+        notes=notes,
     )
-    if per_rank is None:
+    if failed_part is not None:
         return failed_part
-    start = time.monotonic() - failed_part.elapsed_s
     rows = check_overlap.merge_ranks(per_rank)
     failed = [r for r in rows if not r["passed"]]
     fwd_exposed = sum(r["fwd"]["exposed_ms"] for r in rows)
