@@ -24,6 +24,7 @@ from megatron_domino.gpt_model import GPTOptions, build_gpt_model, causal_attent
 from megatron_domino.integration import apply_domino
 from megatron_domino.overlap import collective_spans
 from megatron_domino.recorder import BEGIN, EventRecorder
+from megatron_domino.schedule_checks import count_mismatches, overlap_violations
 
 LAYERS = 3
 OPTIONS = GPTOptions(
@@ -86,13 +87,9 @@ def recorded():
 
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_collective_counts_and_nothing_pending(recorded, name):
-    settings = DominoConfig(**SETTINGS[name])
     spans = collective_spans(recorded[name]["events"])
-    forward = [s for s in spans if s.direction == "fwd"]
-    backward = [s for s in spans if s.direction == "bwd"]
-    p, k = settings.chunks, settings.column_chunks
-    assert len(forward) == LAYERS * 2 * p * k
-    assert len(backward) == (LAYERS * 2 * p if settings.backward_overlap else 0)
+    config = DominoConfig(**SETTINGS[name])
+    assert not count_mismatches(spans, config, num_layers=LAYERS, sequence_parallel=False)
     assert recorded[name]["after_forward"] == (0, 0)
     assert recorded[name]["after_backward"] == 0
 
@@ -100,19 +97,18 @@ def test_collective_counts_and_nothing_pending(recorded, name):
 @pytest.mark.parametrize("name", ["p2", "p4", "p2-k2"])
 def test_every_collective_but_the_last_overlaps_other_chunks_compute(recorded, name):
     spans = collective_spans(recorded[name]["events"])
-    for direction in ("fwd", "bwd"):
-        chosen = sorted((s for s in spans if s.direction == direction), key=lambda s: s.wait_end_s)
-        not_overlapped = [s for s in chosen[:-1] if not s.overlapped_by]
-        assert not not_overlapped, f"{direction}: {not_overlapped[:3]}"
+    violations = overlap_violations(spans, DominoConfig(**SETTINGS[name]), sequence_parallel=False)
+    assert not violations, violations[:3]
 
 
 def test_column_pieces_overlap_the_next_piece_at_one_chunk(recorded):
     """At p = 1 the column split is the only overlap: piece 0 flies during piece 1's GEMM."""
     spans = collective_spans(recorded["p1-k2"]["events"])
-    first_pieces = [s for s in spans if s.direction == "fwd" and s.piece == 0]
-    assert first_pieces and all(
-        any(region[3] == 1 for region in s.overlapped_by) for s in first_pieces
+    assert any(s.piece == 0 for s in spans)
+    violations = overlap_violations(
+        spans, DominoConfig(**SETTINGS["p1-k2"]), sequence_parallel=False
     )
+    assert not violations, violations[:3]
 
 
 def test_intra_layer_mode_drains_each_layer(recorded):

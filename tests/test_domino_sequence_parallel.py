@@ -29,6 +29,7 @@ from megatron_domino.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.integration import apply_domino
 from megatron_domino.overlap import collective_spans
 from megatron_domino.recorder import EventRecorder
+from megatron_domino.schedule_checks import count_mismatches, overlap_violations
 
 LAYERS = 2
 MODELS = {
@@ -69,7 +70,8 @@ SETTINGS = {
 
 
 def _compare() -> dict:
-    counts = {}
+    """On every rank: each setting against stock SP; the recorded spans per (model, setting)."""
+    spans = {}
     for model_name, options in MODELS.items():
         model = build_gpt_model(options)
         batch = token_batch(options, 4)
@@ -82,49 +84,41 @@ def _compare() -> dict:
                 assert not step.pending_forward and not step.pending_backward
             wrong = mismatches(result, reference, tolerance_for(options))
             assert not wrong, (model_name, setting, wrong[:3])
-            spans = collective_spans(recorder.events())
-            counts[(model_name, setting)] = {(s.direction, s.name.split("_")[-1]): 0 for s in spans}
-            for s in spans:
-                counts[(model_name, setting)][(s.direction, s.name.split("_")[-1])] += 1
-            for direction in ("fwd", "bwd"):
-                chosen = sorted(
-                    (s for s in spans if s.direction == direction), key=lambda s: s.launch_s
-                )
-                counts[(model_name, setting, direction)] = [bool(s.overlapped_by) for s in chosen]
+            spans[(model_name, setting)] = collective_spans(recorder.events())
         assert max_abs_error(forward_backward(model, batch), reference) == 0, "revert changed it"
-    return counts
+    return spans
 
 
 @pytest.fixture(scope="module")
-def counts():
+def spans():
     return run_on_ranks(_compare, 2)[0]
 
 
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
-def test_collectives_match_the_schedule(counts, setting):
-    p = SETTINGS[setting].get("chunks", 2)
-    k = SETTINGS[setting].get("column_chunks", 1)
+def test_collectives_match_the_schedule(spans, setting):
+    """Per layer and chunk: two gathers (QKV, fc1 inputs), two reduce-scatters of k pieces,
+    each matched in backward (the gather's twin scatters dX, the scatter's twin gathers dY)."""
+    config = DominoConfig(**SETTINGS[setting])
     for model_name in MODELS:
-        got = counts[(model_name, setting)]
-        # Per layer and chunk: two gathers (QKV, fc1 inputs), two reduce-scatters of k pieces.
-        assert got[("fwd", "ag")] == LAYERS * 2 * p
-        assert got[("fwd", "rs")] == LAYERS * 2 * p * k
-        # Backward: each gather's reduce-scatter of dX, each scatter's gather of dY.
-        assert got[("bwd", "ag")] == LAYERS * 2 * p
-        assert got[("bwd", "rs")] == LAYERS * 2 * p * k
+        wrong = count_mismatches(
+            spans[(model_name, setting)], config, num_layers=LAYERS, sequence_parallel=True
+        )
+        assert not wrong, (model_name, wrong)
 
 
 @pytest.mark.parametrize("setting", ["p2", "p4", "p2-k2"])
-def test_collectives_overlap_other_chunks_work(counts, setting):
+def test_collectives_overlap_other_chunks_work(spans, setting):
     """Every collective but the first and the last of each direction overlapped other work.
 
     The first forward all-gather (layer 0, chunk 0) has nothing to hide behind: no other chunk
     has started; its backward twin is the last collective of the backward.
     """
+    config = DominoConfig(**SETTINGS[setting])
     for model_name in MODELS:
-        for direction in ("fwd", "bwd"):
-            flags = counts[(model_name, setting, direction)]
-            assert all(flags[1:-1]), (model_name, direction, flags)
+        violations = overlap_violations(
+            spans[(model_name, setting)], config, sequence_parallel=True
+        )
+        assert not violations, (model_name, violations[:3])
 
 
 def _refuses_no_backward_overlap() -> str:
