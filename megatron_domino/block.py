@@ -3,9 +3,15 @@
 It replaces the stock forward of one block instance (see :mod:`megatron_domino.integration`)
 and keeps its contract: hidden states ``[s, b, h]`` in, ``[s, b, h]`` out after the final
 norm, called with keyword arguments by ``GPTModel``. What the stock forward does around the
-layer loop (viewless tensors, the final norm) is done the same way; the features it handles
-that Domino does not (recompute, FP8, offloading, cross-attention, inference) were refused when Domino was applied, and arguments that only they use must be
-``None`` here.
+layer loop (viewless tensors, the final norm, the FP8 context) is done the same way; the features it handles that Domino does not
+(recompute, offloading, cross-attention, inference) were refused when Domino was applied, and
+arguments that only they use must be ``None`` here.
+
+FP8 (delayed scaling, the only recipe Domino accepts): like the stock forward, one
+``fp8_autocast`` wraps the whole layer stack, now for all chunks. TE accumulates each
+quantized tensor's amax as a running maximum over every call inside it, and reduces the
+amaxes and updates the scales once, when it exits: once per micro-batch, as stock, and from
+the same amax the unchunked batch would give (the maximum over the chunks).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from megatron.core.fp8_utils import get_fp8_context
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
@@ -66,7 +73,8 @@ def domino_block_forward(
     # Under sequence parallelism each rank holds other tokens, so hidden dropout draws from
     # the tensor-parallel RNG stream, as in the stock forward.
     rng = get_cuda_rng_tracker().fork() if runtime.sequence_parallel else contextlib.nullcontext()
-    with runtime.new_step(chunks), rng:
+    fp8 = get_fp8_context(block.config) if block.config.fp8 else contextlib.nullcontext()
+    with runtime.new_step(chunks), rng, fp8:
         run_layers(runtime, block.layers, chunks, attention_kwargs)
         hidden_states = torch.cat([chunk.hidden for chunk in chunks], dim=1)
 

@@ -294,8 +294,11 @@ def layer_spec(options: GPTOptions) -> ModuleSpec:
     return get_gpt_layer_with_transformer_engine_spec()
 
 
-def build_gpt_model(options: GPTOptions) -> GPTModel:
+def build_gpt_model(options: GPTOptions, *, spec: ModuleSpec | None = None) -> GPTModel:
     """Build the GPTModel shard of this rank, for the TP size of the current parallel state.
+
+    ``spec`` replaces the layer spec :func:`layer_spec` would pick (e.g. the CPU stand-ins for
+    Transformer Engine layers in the tests).
 
     Needs ``megatron.core.parallel_state`` initialised (see
     :func:`megatron_domino.distributed.init_distributed`). The model is built as Megatron-LM's
@@ -307,7 +310,7 @@ def build_gpt_model(options: GPTOptions) -> GPTModel:
     tp = parallel_state.get_tensor_model_parallel_world_size()
     return GPTModel(
         config=transformer_config(options, tensor_model_parallel_size=tp),
-        transformer_layer_spec=_block_spec(options),
+        transformer_layer_spec=_block_spec(options, spec or layer_spec(options)),
         vocab_size=padded_vocab_size(options.vocab_size, tp),
         max_sequence_length=options.resolved_max_position_embeddings,
         pre_process=True,
@@ -318,9 +321,8 @@ def build_gpt_model(options: GPTOptions) -> GPTModel:
     )
 
 
-def _block_spec(options: GPTOptions) -> ModuleSpec | TransformerBlockSubmodules:
+def _block_spec(options: GPTOptions, spec: ModuleSpec) -> ModuleSpec | TransformerBlockSubmodules:
     """The layer spec, or under sequence parallelism a block spec whose final norm supports it."""
-    spec = layer_spec(options)
     if not options.sequence_parallel:
         return spec
     return TransformerBlockSubmodules(

@@ -26,6 +26,12 @@ from megatron_domino.config import DominoConfig, DominoUnsupportedError
 from megatron_domino.linears import column_parallel_forward, row_parallel_forward
 from megatron_domino.recorder import NULL_RECORDER, NullRecorder
 from megatron_domino.state import DominoRuntime
+from megatron_domino.te_linears import (
+    check_transformer_engine_version,
+    is_te_linear,
+    te_column_parallel_forward,
+    te_problems,
+)
 from megatron_domino.version import check_megatron_core_version
 
 #: (TransformerConfig attribute, is-refused predicate, reason and fix)
@@ -53,15 +59,18 @@ _REFUSED_FEATURES = (
         bool,
         "MoE combined-1F1B overlap takes over the same layers; disable it",
     ),
+    ("fp4", lambda v: v is not None, "FP4 is not supported; use FP8 (--fp8-format) or bf16"),
     (
-        "fp8",
-        lambda v: v is not None,
-        "FP8 needs the Transformer Engine path, which Domino does not patch yet",
+        "first_last_layers_bf16",
+        bool,
+        "bf16 first/last layers enter an FP8 context per layer, which the chunked schedule "
+        "interleaves across layers; drop --first-last-layers-bf16",
     ),
     (
-        "fp4",
+        "symmetric_ar_type",
         lambda v: v is not None,
-        "FP4 needs the Transformer Engine path, which Domino does not patch yet",
+        "symmetric all-reduce replaces the collective Domino launches itself; drop "
+        "--symmetric-ar-type",
     ),
     ("cpu_offloading", bool, "activation CPU offloading is not supported; disable it"),
     (
@@ -158,15 +167,27 @@ def apply_domino(
     patched = [block]
     block.forward = functools.partial(domino_block_forward, block, runtime=runtime)
     for layer in block.layers:
-        rows = (layer.self_attention.linear_proj, layer.mlp.linear_fc2)
-        columns = (layer.self_attention.linear_qkv, layer.mlp.linear_fc1)
-        for linear in rows:
+        for linear in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
             linear.forward = functools.partial(row_parallel_forward, linear, runtime=runtime)
-        if config.backward_overlap:
-            for linear in columns:
-                linear.forward = functools.partial(column_parallel_forward, linear, runtime=runtime)
-        patched += list(rows) + (list(columns) if config.backward_overlap else [])
+            patched.append(linear)
+        for linear in (layer.self_attention.linear_qkv, layer.mlp.linear_fc1):
+            forward = _column_forward(linear, runtime)
+            if forward is not None:
+                linear.forward = functools.partial(forward, linear, runtime=runtime)
+                patched.append(linear)
     return DominoHandle(runtime, patched)
+
+
+def _column_forward(linear: torch.nn.Module, runtime: DominoRuntime):
+    """Domino's forward for a column-parallel linear, or ``None`` where the stock one serves.
+
+    Megatron's linear needs Domino's forward for backward overlap (always on under sequence
+    parallelism). A TE linear needs it under sequence parallelism only: without it the forward
+    has no collective, and the backward's stays TE's (see :mod:`megatron_domino.te_linears`).
+    """
+    if is_te_linear(linear):
+        return te_column_parallel_forward if runtime.sequence_parallel else None
+    return column_parallel_forward if runtime.config.backward_overlap else None
 
 
 def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
@@ -190,6 +211,18 @@ def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
             "--no-domino-backward-overlap is not supported with --sequence-parallel (the "
             "sequence-parallel collectives always overlap in backward); drop one of them"
         )
+    linears = [module for layer in block.layers for module in _tp_linears(layer).values()]
+    if any(is_te_linear(module) for module in linears):
+        check_transformer_engine_version()
+        fp8_recipe = model_config.fp8_recipe if model_config.fp8 else None
+        problems += te_problems(
+            config, sequence_parallel=model_config.sequence_parallel, fp8_recipe=fp8_recipe
+        )
+    elif model_config.fp8:
+        problems.append(
+            "FP8 runs only in Transformer Engine layers, and this model has Megatron's local "
+            "linears; use --transformer-impl transformer_engine or drop --fp8-format"
+        )
     if model_config.hidden_size % config.column_chunks:
         problems.append(
             f"--hidden-size {model_config.hidden_size} is not divisible by "
@@ -212,22 +245,13 @@ def _layer_problems(layer: torch.nn.Module) -> list[str]:
     if not isinstance(attention, SelfAttention) or not isinstance(mlp, MLP):
         problems.append("self-attention and MLP must be Megatron-Core's SelfAttention and MLP")
         return problems
-    expected = {
-        "linear_qkv": (attention.linear_qkv, ColumnParallelLinear),
-        "linear_proj": (attention.linear_proj, RowParallelLinear),
-        "linear_fc1": (mlp.linear_fc1, ColumnParallelLinear),
-        "linear_fc2": (mlp.linear_fc2, RowParallelLinear),
-    }
-    for name, (module, cls) in expected.items():
-        if type(module).forward is not cls.forward:
-            problems.append(
-                f"{name} is {type(module).__name__}, not Megatron-Core's {cls.__name__}: "
-                "Transformer Engine layers are not supported yet; use --transformer-impl local"
-            )
-        elif cls is ColumnParallelLinear and (
-            module.gather_output or not (module.sequence_parallel or module.allreduce_dgrad)
-        ):
-            problems.append(f"{name} must be a plain column-parallel linear (no gather_output)")
+    linears = _tp_linears(layer)
+    if len(linears) < len(_TP_LINEARS):
+        problems.append(
+            f"missing tensor-parallel linears: {sorted(set(_TP_LINEARS) - set(linears))}"
+        )
+    for name, module in linears.items():
+        problems += _linear_problems(name, module)
     if not isinstance(layer.cross_attention, IdentityOp) or not isinstance(
         layer.pre_cross_attn_layernorm, IdentityOp
     ):
@@ -243,3 +267,44 @@ def _layer_problems(layer: torch.nn.Module) -> list[str]:
     ):
         problems.append("activation offloading is not supported")
     return problems
+
+
+#: The tensor-parallel linears of a layer: attribute name -> (parallel mode, local class).
+_TP_LINEARS = {
+    "linear_qkv": ("column", ColumnParallelLinear),
+    "linear_proj": ("row", RowParallelLinear),
+    "linear_fc1": ("column", ColumnParallelLinear),
+    "linear_fc2": ("row", RowParallelLinear),
+}
+
+
+def _tp_linears(layer: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``{"linear_qkv": module, ...}``: those of the layer's four tensor-parallel linears it has."""
+    attention, mlp = getattr(layer, "self_attention", None), getattr(layer, "mlp", None)
+    owners = {"linear_qkv": attention, "linear_proj": attention}
+    found = {name: getattr(owners.get(name, mlp), name, None) for name in _TP_LINEARS}
+    return {name: module for name, module in found.items() if module is not None}
+
+
+def _linear_problems(name: str, module: torch.nn.Module) -> list[str]:
+    """Domino calls this linear itself: it must be Megatron's own or a TE one it knows."""
+    mode, local_class = _TP_LINEARS[name]
+    if is_te_linear(module):
+        if module.parallel_mode != mode:
+            return [
+                f"{name} is a Transformer Engine linear in {module.parallel_mode!r} mode, "
+                f"not {mode!r}"
+            ]
+        if mode == "row" and module.use_bias and not module.te_return_bias:
+            return [f"{name} adds its bias before the reduction; build it with skip_bias_add"]
+        return []
+    if type(module).forward is not local_class.forward:
+        return [
+            f"{name} is {type(module).__name__}, neither Megatron-Core's "
+            f"{local_class.__name__} nor a Transformer Engine linear"
+        ]
+    if mode == "column" and (
+        module.gather_output or not (module.sequence_parallel or module.allreduce_dgrad)
+    ):
+        return [f"{name} must be a plain column-parallel linear (no gather_output)"]
+    return []

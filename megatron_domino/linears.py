@@ -10,6 +10,8 @@ Domino schedule runs an op for a chunk; otherwise they call the stock ``forward`
   Megatron-Core's own ``_forward_impl``, split into ``k`` pieces along the output dimension
   ``h``, and launches each piece's all-reduce instead of Megatron's blocking
   ``reduce_from_tensor_model_parallel_region``.
+  A Transformer Engine row-parallel linear takes the same path, its GEMM run by TE with its
+  collective switched off (:func:`~megatron_domino.te_linears.te_row_partial`).
 * :func:`column_parallel_forward` (``linear_qkv``, ``linear_fc1``): with backward overlap on,
   uses :func:`~megatron_domino.backward_overlap.column_linear_async_dgrad`, whose input
   gradient all-reduce is waited by the identity the schedule placed on the linear's input.
@@ -24,12 +26,14 @@ from megatron_domino.backward_overlap import column_linear_async_dgrad
 from megatron_domino.collectives import PendingReduce
 from megatron_domino.recorder import time_backward
 from megatron_domino.state import DominoRuntime
+from megatron_domino.te_linears import is_te_linear, te_row_partial
 
 
-def row_parallel_forward(
-    module: RowParallelLinear, input_: torch.Tensor, *, runtime: DominoRuntime
-):
+def row_parallel_forward(module: torch.nn.Module, input_: torch.Tensor, *, runtime: DominoRuntime):
     """Capture (core op) or run-and-launch (projection op) a row-parallel linear.
+
+    ``module`` is Megatron-Core's ``RowParallelLinear`` or a Transformer Engine row-parallel
+    linear (see :mod:`megatron_domino.te_linears`; one piece only).
 
     Args:
         input_: ``[s, b/p, n/tp]``, this rank's slice of the attention context or of the
@@ -40,7 +44,7 @@ def row_parallel_forward(
     """
     step = runtime.step
     if step is None or step.active is None:
-        return RowParallelLinear.forward(module, input_)
+        return type(module).forward(module, input_)
     chunk = step.active
     if step.deferred_module is module:
         chunk.deferred_input = input_
@@ -52,30 +56,47 @@ def row_parallel_forward(
         )
     scatter = runtime.sequence_parallel
     label = step.label("rs" if scatter else "ar", runtime.recorder)
+    te = is_te_linear(module)
     pending = PendingReduce(
-        runtime.tp_group, label, bias=None if module.skip_bias_add else module.bias, scatter=scatter
+        runtime.tp_group,
+        label,
+        bias=None if te or module.skip_bias_add else module.bias,
+        scatter=scatter,
     )
     k = runtime.config.column_chunks
-    weight_pieces = module.weight.chunk(k, dim=0) if k > 1 else (module.weight,)
-    for piece, weight in enumerate(weight_pieces):
-        gemm = f"{step.sublayer}_projection_gemm"
+    returned_bias = None if te or not module.skip_bias_add else module.bias
+    gemm = f"{step.sublayer}_projection_gemm"
+    for piece in range(k):
         with runtime.recorder.region(gemm, label.layer, label.chunk, "fwd", piece):
-            # Megatron-Core's own GEMM path (frozen weights, main_grad accumulation), called by
-            # keyword: the positional order changed between releases. A weight slice has no
-            # main_grad, so pieces accumulate through autograd instead.
-            partial = module._forward_impl(
-                input=input_,
-                weight=weight,
-                bias=None,
-                gradient_accumulation_fusion=module.gradient_accumulation_fusion and k == 1,
-                allreduce_dgrad=False,
-                sequence_parallel=False,
-                tp_group=None,
-                grad_output_buffer=None,
-            )
+            if te:
+                partial, returned_bias = te_row_partial(module, input_)
+            else:
+                partial = _local_row_partial(module, input_, piece, k)
         time_backward(partial, runtime.recorder, gemm, label.layer, label.chunk, piece)
         pending.launch(partial)
-    return pending, module.bias if module.skip_bias_add else None
+    return pending, returned_bias
+
+
+def _local_row_partial(
+    module: RowParallelLinear, input_: torch.Tensor, piece: int, pieces: int
+) -> torch.Tensor:
+    """Piece ``piece`` of ``pieces`` of this rank's partial sum ``[s, b/p, h/pieces]``.
+
+    Megatron-Core's own GEMM path (frozen weights, main_grad accumulation), called by keyword:
+    the positional order changed between releases. A weight slice has no main_grad, so pieces
+    accumulate through autograd instead.
+    """
+    weight = module.weight.chunk(pieces, dim=0)[piece] if pieces > 1 else module.weight
+    return module._forward_impl(
+        input=input_,
+        weight=weight,
+        bias=None,
+        gradient_accumulation_fusion=module.gradient_accumulation_fusion and pieces == 1,
+        allreduce_dgrad=False,
+        sequence_parallel=False,
+        tp_group=None,
+        grad_output_buffer=None,
+    )
 
 
 def column_parallel_forward(

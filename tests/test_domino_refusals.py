@@ -34,7 +34,10 @@ REFUSED = [
     ("cuda_graph_impl", "local", "CUDA graphs"),
     ("recompute_granularity", "full", "activation recompute"),
     ("overlap_moe_expert_parallel_comm", True, "combined-1F1B"),
-    ("fp8", "hybrid", "FP8"),
+    ("fp8", "hybrid", "FP8 runs only in Transformer Engine layers"),
+    ("fp4", "nvfp4", "FP4 is not supported"),
+    ("first_last_layers_bf16", True, "drop --first-last-layers-bf16"),
+    ("symmetric_ar_type", "two_shot", "drop --symmetric-ar-type"),
     ("pipeline_model_parallel_size", 2, "pipeline parallelism"),
 ]
 

@@ -1,0 +1,198 @@
+"""Domino on Transformer Engine linears (``--transformer-impl transformer_engine``).
+
+Under Megatron-Core's TE layer spec the tensor-parallel collectives run inside TE's modules
+(``TELayerNormColumnParallelLinear`` for ``linear_qkv``/``linear_fc1``, with the norm fused in;
+``TERowParallelLinear`` for ``linear_proj``/``linear_fc2``), so patching Megatron's own
+linears does nothing there. A TE linear picks its collectives *per call* from two attributes,
+``parallel_mode`` (``"row"``/``"column"``) and ``sequence_parallel``: its forward passes them
+into its autograd function, which saves them for backward. For the calls the schedule makes,
+Domino sets them to ``None``/``False`` (:func:`_domino_call_settings`), which keeps everything
+else TE does (FP8 casts, the fused norm, fused weight-gradient accumulation into
+``main_grad``) and drops only the collective, and then runs that collective itself,
+asynchronously, as it does for Megatron's linears:
+
+* **Row-parallel** (``linear_proj``, ``linear_fc2``): the output's all-reduce (reduce-scatter
+  under sequence parallelism) becomes a :class:`~megatron_domino.collectives.PendingReduce`,
+  waited after another chunk's work (:func:`te_row_partial`). The row linear's backward has
+  no collective of its own once the all-gather of its output gradient (under SP) is done by
+  the reduce-scatter's backward twin.
+* **Column-parallel with the fused norm** (``linear_qkv``, ``linear_fc1``), under sequence
+  parallelism: stock TE normalises this rank's sequence shard ``[s/tp, b, h]`` and all-gathers
+  the norm output. Domino launches the all-gather of the shard *before* the fused norm (per
+  chunk, in the schedule's norm op; the norm there is Megatron's ``IdentityOp``) and hands
+  TE the full sequence ``[s, b/p, h]`` (:func:`te_column_parallel_forward`). The norm works
+  per token, so every rank computes the same normalised rows. In backward TE returns this
+  rank's partial input gradient over the full sequence, and the gather's backward twin
+  reduce-scatters it: the same sum the stock path forms. The norm weights' gradients become
+  partial sums over the full sequence instead of complete sums over the shard; their sum
+  over the TP ranks, which ``finalize_model_grads`` forms for every parameter TE marks
+  ``sequence_parallel``, is the same.
+* **Column-parallel without sequence parallelism**: the forward has no collective, and the
+  backward's dX all-reduce stays TE's own, overlapped with TE's weight-gradient GEMM as in
+  stock Megatron. Domino's cross-chunk backward overlap cannot apply here: the fused norm's
+  backward runs inside the same TE function right after the all-reduce, and moving the
+  all-reduce behind it would leave the norm weights with partial gradients that nothing sums.
+  So this combination needs ``--no-domino-backward-overlap`` (:func:`te_problems`).
+
+What has run where: this module's logic is tested on the CPU against a stand-in that keeps
+TE's ``parallel_mode``/``sequence_parallel`` contract (``tests/te_stand_in.py``); with real TE
+it has **not** been run (no GPU with TE was available). ``tests/test_transformer_engine_gpu.py``
+runs the real thing where TE and two GPUs are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from megatron.core.utils import get_te_version
+from packaging.version import Version
+
+from megatron_domino.config import DominoConfig, DominoUnsupportedError
+from megatron_domino.recorder import time_backward
+from megatron_domino.state import DominoRuntime
+
+__all__ = [
+    "TE_MIN_VERSION",
+    "check_transformer_engine_version",
+    "is_te_linear",
+    "te_column_parallel_forward",
+    "te_problems",
+    "te_row_partial",
+]
+
+#: Oldest Transformer Engine whose linears read ``parallel_mode`` and ``sequence_parallel`` at
+#: call time (read from TE's source, 1.13 and 2.x; no TE version has been run with Domino yet).
+TE_MIN_VERSION = Version("1.13.0")
+
+
+def is_te_linear(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a TE tensor-parallel linear as Megatron-Core wraps it.
+
+    Recognised by interface, not class: TE's ``parallel_mode`` and the ``te_return_bias`` of
+    Megatron's wrappers (``megatron.core.extensions.transformer_engine``), whose classes only
+    exist where TE imports.
+    """
+    return hasattr(module, "parallel_mode") and hasattr(module, "te_return_bias")
+
+
+def check_transformer_engine_version() -> None:
+    """Raise unless the installed Transformer Engine is at least :data:`TE_MIN_VERSION`.
+
+    Without TE nothing is checked: Megatron's TE layers cannot be built then.
+    """
+    found = get_te_version()  # None when TE does not import
+    if found is not None and found < TE_MIN_VERSION:
+        raise DominoUnsupportedError(
+            f"Domino needs Transformer Engine >= {TE_MIN_VERSION} (its linears must read "
+            f"parallel_mode per call); found {found}. Upgrade transformer-engine, or use "
+            "--transformer-impl local."
+        )
+
+
+def te_problems(
+    config: DominoConfig, *, sequence_parallel: bool, fp8_recipe: str | None
+) -> list[str]:
+    """Why Domino cannot run these settings on TE layers (empty when it can).
+
+    Args:
+        config: the Domino settings.
+        sequence_parallel: ``--sequence-parallel``.
+        fp8_recipe: ``--fp8-recipe`` when FP8 is on (``--fp8-format`` given), else ``None``.
+    """
+    problems = []
+    if config.column_chunks > 1:
+        problems.append(
+            "--domino-column-chunks > 1 needs Megatron's local linears (a TE linear multiplies "
+            "by its whole weight, so its output cannot be split into pieces); use "
+            "--domino-column-chunks 1 with --transformer-impl transformer_engine"
+        )
+    if not sequence_parallel and config.backward_overlap:
+        problems.append(
+            "without --sequence-parallel, TE's fused norm + column-parallel linear keeps its "
+            "input-gradient all-reduce inside its backward (overlapped with its own "
+            "weight-gradient GEMM, as in stock Megatron), so Domino's cross-chunk backward "
+            "overlap cannot apply: add --no-domino-backward-overlap, or --sequence-parallel "
+            "(under which Domino overlaps the backward collectives too)"
+        )
+    if fp8_recipe is not None and str(fp8_recipe) != "delayed":
+        problems.append(
+            f"--fp8-recipe {fp8_recipe} computes scales from each call's own data, so every "
+            "chunk would be quantized with a different scale than the whole micro-batch "
+            "(not validated against stock Megatron); use --fp8-recipe delayed, whose scales "
+            "come from the amax history and are updated once per micro-batch as in stock"
+        )
+    return problems
+
+
+@contextlib.contextmanager
+def _domino_call_settings(module: torch.nn.Module) -> Iterator[None]:
+    """Inside, a call of ``module`` runs its GEMM (and fused norm) without collectives.
+
+    Sets ``parallel_mode = None`` and ``sequence_parallel = False`` (TE saves the values it ran
+    with for its backward) and restores them on exit, also when the call raises.
+
+    With fused weight-gradient accumulation (``--gradient-accumulation-fusion``) it also makes
+    Megatron's wrapper pass ``is_first_microbatch=None``. TE derives two things from that flag:
+    whether to re-cast the weight to FP8 (``True``) or reuse the cached cast (``False``), and
+    whether the backward *overwrites* ``main_grad`` (``True``) or accumulates into it. The
+    first chunk's call would get ``True``, and autograd runs the chunks' backwards latest
+    chunk first, so the first chunk's overwrite would come last and erase the other chunks'
+    weight gradients. ``None`` accumulates on every call (DDP zeroes ``main_grad`` before each
+    step, as Megatron's own ``disable_parameter_transpose_cache`` path relies on) at the cost
+    of one FP8 weight cast per chunk instead of per micro-batch; without FP8 it costs nothing.
+    """
+    saved = module.parallel_mode, module.sequence_parallel, module.disable_parameter_transpose_cache
+    module.parallel_mode, module.sequence_parallel = None, False
+    module.disable_parameter_transpose_cache = saved[2] or module.fuse_wgrad_accumulation
+    try:
+        yield
+    finally:
+        (
+            module.parallel_mode,
+            module.sequence_parallel,
+            module.disable_parameter_transpose_cache,
+        ) = saved
+
+
+def te_row_partial(module: torch.nn.Module, input_: torch.Tensor):
+    """This rank's partial sum of a TE row-parallel linear, before any collective.
+
+    Args:
+        input_: ``[s, b/p, n/tp]``, this rank's slice of the attention context or MLP activation.
+    Returns:
+        ``(partial [s, b/p, h], bias-or-None)``: the bias is returned, not added (the
+        integration refuses TE row linears that would add it before the reduction).
+    """
+    with _domino_call_settings(module):
+        return type(module).forward(module, input_)
+
+
+def te_column_parallel_forward(
+    module: torch.nn.Module, input_: torch.Tensor, *, runtime: DominoRuntime
+):
+    """A TE column-parallel linear (fused norm included) on the input the schedule gathered.
+
+    Bound under sequence parallelism only. Outside a Domino op, the stock forward runs.
+
+    Args:
+        input_: ``[s, b/p, h]``, the full-sequence residual stream of one chunk, all-gathered
+            by the schedule.
+    Returns:
+        ``(output [s, b/p, n/tp], bias-or-None)`` as Megatron's TE wrapper returns it.
+    """
+    step = runtime.step
+    chunk = None if step is None else step.active
+    if chunk is None:
+        return type(module).forward(module, input_)
+    if input_ is not chunk.linear_input:
+        raise RuntimeError(
+            "Domino: a Transformer Engine column-parallel linear received something other "
+            "than the gathered input the schedule prepared for it; this module structure is "
+            "unsupported."
+        )
+    with _domino_call_settings(module):
+        output, bias = type(module).forward(module, input_)
+    time_backward(output, runtime.recorder, f"{step.sublayer}_column_gemm", step.layer, chunk.index)
+    return output, bias
