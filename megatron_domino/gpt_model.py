@@ -29,6 +29,9 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_domino.norms import SequenceParallelTorchNorm
 
 __all__ = [
+    "FP8_AMAX_COMPUTE_ALGOS",
+    "FP8_FORMATS",
+    "FP8_RECIPES",
     "MAKE_VOCAB_SIZE_DIVISIBLE_BY",
     "GPTOptions",
     "GPTOptionsError",
@@ -46,6 +49,10 @@ MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 _TRANSFORMER_IMPLS = ("local", "transformer_engine")
+#: Megatron-LM's ``--fp8-format`` and ``--fp8-recipe`` choices.
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+FP8_AMAX_COMPUTE_ALGOS = ("most_recent", "max")
 
 
 class GPTOptionsError(ValueError):
@@ -110,6 +117,17 @@ class GPTOptions:
     sequence_parallel: bool = False
     """``--sequence-parallel``: shard the residual stream ``[s/tp, b, h]`` along the sequence
     between the tensor-parallel regions (needs ``seq_length`` divisible by the TP size)."""
+    fp8_format: Literal["e4m3", "hybrid"] | None = None
+    """``--fp8-format``: run the TE linears' GEMMs in FP8 (``hybrid``: e4m3 forward, e5m2
+    gradients); ``None`` is off. Needs ``transformer_engine``."""
+    fp8_recipe: str = "delayed"
+    """``--fp8-recipe``: how scales are chosen; ``delayed`` from an amax history."""
+    fp8_margin: int = 0
+    """``--fp8-margin``: scale down by ``2**margin`` for headroom."""
+    fp8_amax_history_len: int = 1
+    """``--fp8-amax-history-len``: steps of amax history (delayed scaling)."""
+    fp8_amax_compute_algo: Literal["most_recent", "max"] = "most_recent"
+    """``--fp8-amax-compute-algo``: which amax of the history sets the scale."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -128,6 +146,7 @@ class GPTOptions:
             "position_embedding_type", self.position_embedding_type, _POSITION_EMBEDDINGS
         )
         _require_choice("transformer_impl", self.transformer_impl, _TRANSFORMER_IMPLS)
+        self._check_fp8()
         for name in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise GPTOptionsError(
@@ -154,6 +173,19 @@ class GPTOptions:
                 f"--max-position-embeddings {self.resolved_max_position_embeddings} is smaller "
                 f"than --seq-length {self.seq_length}: the learned position table needs a row "
                 "per position. Raise it to at least the sequence length."
+            )
+
+    def _check_fp8(self) -> None:
+        _require_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        _require_choice("fp8_amax_compute_algo", self.fp8_amax_compute_algo, FP8_AMAX_COMPUTE_ALGOS)
+        _require_positive("fp8_amax_history_len", self.fp8_amax_history_len)
+        if self.fp8_format is None:
+            return
+        _require_choice("fp8_format", self.fp8_format, FP8_FORMATS)
+        if self.transformer_impl != "transformer_engine":
+            raise GPTOptionsError(
+                f"--fp8-format {self.fp8_format} runs in Transformer Engine's linears; add "
+                "--transformer-impl transformer_engine or drop --fp8-format."
             )
 
     @property
@@ -247,6 +279,11 @@ def transformer_config(
         params_dtype=dtype,
         tensor_model_parallel_size=tensor_model_parallel_size,
         sequence_parallel=options.sequence_parallel,
+        fp8=options.fp8_format,
+        fp8_recipe=options.fp8_recipe,
+        fp8_margin=options.fp8_margin,
+        fp8_amax_history_len=options.fp8_amax_history_len,
+        fp8_amax_compute_algo=options.fp8_amax_compute_algo,
         use_cpu_initialization=not cuda,
         # The gelu bias fusion requires a bias; Megatron-LM drops it with --disable-bias-linear.
         bias_activation_fusion=fused and (options.swiglu or options.add_bias_linear),

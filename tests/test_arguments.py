@@ -22,6 +22,10 @@ BASE = (
 ).split()
 
 
+#: Domino on Transformer Engine layers at TP = 2.
+TE_DOMINO = "--domino --transformer-impl transformer_engine --tensor-model-parallel-size 2".split()
+
+
 def parsed(*extra: str, world_size: int = 2):
     args = build_parser().parse_args([*BASE, *extra])
     validate_args(args, world_size=world_size)
@@ -99,6 +103,18 @@ def test_layout_gives_data_parallel_size_and_gradient_accumulation():
             2,
             "--micro-batch-size 2 is not divisible by --domino-chunks 4",
         ),
+        (["--fp8-format", "hybrid"], 2, "add --transformer-impl transformer_engine"),
+        (
+            [*TE_DOMINO, "--domino-column-chunks", "2", "--sequence-parallel"],
+            2,
+            "--domino-column-chunks > 1 needs",
+        ),
+        (TE_DOMINO, 2, "add --no-domino-backward-overlap, or --sequence-parallel"),
+        (
+            [*TE_DOMINO, "--sequence-parallel", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"],
+            2,
+            "--fp8-recipe mxfp8 computes scales",
+        ),
     ],
 )
 def test_invalid_combinations_name_the_problem(extra, world_size, expected):
@@ -129,6 +145,9 @@ def test_data_source_and_tokenizer_are_checked(tmp_path):
 def test_transformer_engine_without_te_says_how_to_fix():
     message = invalid("--transformer-impl", "transformer_engine")
     assert "Transformer Engine" in message and "--transformer-impl local" in message
+    # Domino's supported TE settings pass the flag checks and fail only for the missing TE.
+    supported = [*TE_DOMINO, "--sequence-parallel", "--fp8-format", "hybrid"]
+    assert "needs a CUDA GPU and Transformer Engine" in invalid(*supported)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="installed")

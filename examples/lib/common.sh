@@ -182,8 +182,10 @@ and TOKENIZER_MODEL (a SentencePiece .model), e.g. from \
 
     DISTRIBUTED_OPTIMIZER=${DISTRIBUTED_OPTIMIZER:-1}
     OVERLAP_GRAD_REDUCE=${OVERLAP_GRAD_REDUCE:-1}
-    recipe_require_bool DISTRIBUTED_OPTIMIZER OVERLAP_GRAD_REDUCE
+    SEQUENCE_PARALLEL=${SEQUENCE_PARALLEL:-0}
+    recipe_require_bool DISTRIBUTED_OPTIMIZER OVERLAP_GRAD_REDUCE SEQUENCE_PARALLEL
     TRANSFORMER_IMPL=${TRANSFORMER_IMPL:-local}
+    FP8_FORMAT=${FP8_FORMAT:-}
 
     PYTHON=${PYTHON:-python}
     TORCHRUN=${TORCHRUN:-torchrun}
@@ -268,9 +270,12 @@ recipe_pretrain_args() {
         --seed "$SEED"
     )
     ((BF16)) && TRAINING_ARGS+=(--bf16)
+    # FP8 GEMMs in Transformer Engine's linears (TRANSFORMER_IMPL=transformer_engine).
+    [[ -n $FP8_FORMAT ]] && TRAINING_ARGS+=(--fp8-format "$FP8_FORMAT" --fp8-recipe delayed)
 
-    # Only tensor parallelism: pretrain_gpt_domino.py has no pipeline or sequence parallelism.
+    # Tensor (and sequence) parallelism: pretrain_gpt_domino.py has no pipeline parallelism.
     MODEL_PARALLEL_ARGS=(--tensor-model-parallel-size "$TP")
+    ((SEQUENCE_PARALLEL)) && MODEL_PARALLEL_ARGS+=(--sequence-parallel)
     ((DISTRIBUTED_OPTIMIZER)) && MODEL_PARALLEL_ARGS+=(--use-distributed-optimizer)
     ((OVERLAP_GRAD_REDUCE)) && MODEL_PARALLEL_ARGS+=(--overlap-grad-reduce)
 

@@ -29,7 +29,14 @@ from megatron.core.tokenizers import MegatronTokenizerBase
 from megatron_domino.config import DominoConfig, DominoConfigError, add_domino_args
 from megatron_domino.data.datasets import TOKENIZER_TYPES, DataConfigError, build_tokenizer
 from megatron_domino.data.files import PREPARE_COMMAND, DataFileError, require_readable_file
-from megatron_domino.gpt_model import GPTOptions, GPTOptionsError
+from megatron_domino.gpt_model import (
+    FP8_AMAX_COMPUTE_ALGOS,
+    FP8_FORMATS,
+    FP8_RECIPES,
+    GPTOptions,
+    GPTOptionsError,
+)
+from megatron_domino.te_linears import te_problems
 
 #: Where --mock-data keeps its sample indices when --data-cache-path is not given.
 MOCK_DATA_CACHE = os.path.join("data_cache", "mock")
@@ -51,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parallel_args(parser)
     _add_batch_args(parser)
     _add_optimizer_args(parser)
+    _add_fp8_args(parser)
     _add_data_args(parser)
     _add_checkpoint_args(parser)
     _add_logging_args(parser)
@@ -248,6 +256,43 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--seed", type=int, default=1234, help="Seed of every random generator. Default: 1234."
+    )
+
+
+def _add_fp8_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "FP8",
+        "Transformer Engine FP8 GEMMs (Megatron-LM's flags; needs --transformer-impl "
+        "transformer_engine).",
+    )
+    group.add_argument(
+        "--fp8-format",
+        choices=FP8_FORMATS,
+        default=None,
+        help="FP8 GEMMs in TE's linears: e4m3 everywhere, or hybrid (e4m3 forward, e5m2 "
+        "gradients). Default: off.",
+    )
+    group.add_argument(
+        "--fp8-recipe",
+        choices=FP8_RECIPES,
+        default="delayed",
+        help="Scaling recipe. --domino supports delayed (scales from the amax history, updated "
+        "once per micro-batch). Default: delayed.",
+    )
+    group.add_argument(
+        "--fp8-margin", type=int, default=0, help="Scale down by 2**margin. Default: 0."
+    )
+    group.add_argument(
+        "--fp8-amax-history-len",
+        type=int,
+        default=1,
+        help="Steps of amax history for delayed scaling. Default: 1.",
+    )
+    group.add_argument(
+        "--fp8-amax-compute-algo",
+        choices=FP8_AMAX_COMPUTE_ALGOS,
+        default="most_recent",
+        help="Which amax of the history sets the scale. Default: most_recent.",
     )
 
 
@@ -474,6 +519,11 @@ def model_options(args: argparse.Namespace, *, vocab_size: int) -> GPTOptions:
         bf16=args.bf16,
         transformer_impl=args.transformer_impl,
         sequence_parallel=args.sequence_parallel,
+        fp8_format=args.fp8_format,
+        fp8_recipe=args.fp8_recipe,
+        fp8_margin=args.fp8_margin,
+        fp8_amax_history_len=args.fp8_amax_history_len,
+        fp8_amax_compute_algo=args.fp8_amax_compute_algo,
     )
 
 
@@ -505,7 +555,8 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> None:
     """Raise :class:`ArgumentsError` for the first invalid flag or combination found.
 
     Reads the tokenizer (for the vocabulary size the model is checked with) and checks that
-    data files exist; writes nothing.
+    data files exist; writes nothing. Flag combinations are checked before what this machine
+    lacks (a GPU, Transformer Engine), so a job script can be checked on any machine.
     """
     _check_positive(args)
     _check_data(args)
@@ -516,6 +567,7 @@ def validate_args(args: argparse.Namespace, *, world_size: int) -> None:
     _check_logging(args)
     _check_domino(args)
     _check_domino_report(args)
+    _check_transformer_engine_available(args)
 
 
 _POSITIVE = (
@@ -571,6 +623,9 @@ def _check_model(args: argparse.Namespace, *, vocab_size: int) -> None:
         options.check_tensor_parallel(args.tensor_model_parallel_size)
     except GPTOptionsError as err:
         raise ArgumentsError(str(err)) from err
+
+
+def _check_transformer_engine_available(args: argparse.Namespace) -> None:
     if args.transformer_impl == "transformer_engine" and not (
         torch.cuda.is_available() and _installed("transformer_engine")
     ):
@@ -665,11 +720,15 @@ def _check_domino(args: argparse.Namespace) -> None:
             "--domino hides tensor-parallel communication, and --tensor-model-parallel-size 1 "
             "has none: use TP >= 2 or drop --domino."
         )
-    if args.transformer_impl != "local":
-        raise ArgumentsError(
-            "--domino re-sequences Megatron-Core's own layers; under --transformer-impl "
-            "transformer_engine, TE's linears run the collectives. Use --transformer-impl local."
+    if args.transformer_impl == "transformer_engine":
+        fp8_recipe = args.fp8_recipe if args.fp8_format else None
+        problems = te_problems(
+            config, sequence_parallel=args.sequence_parallel, fp8_recipe=fp8_recipe
         )
+        if problems:
+            raise ArgumentsError(
+                "--domino with --transformer-impl transformer_engine: " + "; ".join(problems)
+            )
 
 
 def _check_domino_report(args: argparse.Namespace) -> None:
