@@ -359,11 +359,23 @@ def build_gpt_model(options: GPTOptions, *, spec: ModuleSpec | None = None) -> G
 
 
 def _block_spec(options: GPTOptions, spec: ModuleSpec) -> ModuleSpec | TransformerBlockSubmodules:
-    """The layer spec, or under sequence parallelism a block spec whose final norm supports it."""
-    if not options.sequence_parallel:
+    """The layer spec, or a block spec where the final norm must not be Megatron's default.
+
+    Megatron-Core's default final norm (Apex's, or without Apex a torch norm that refuses
+    sequence parallelism) is replaced by TE's fused norm under ``transformer_engine`` (as
+    Megatron-LM's TE block spec has it) and by :class:`SequenceParallelTorchNorm` under
+    sequence parallelism otherwise.
+    """
+    if options.transformer_impl == "transformer_engine":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        final_norm = TENorm
+    elif options.sequence_parallel:
+        final_norm = SequenceParallelTorchNorm
+    else:
         return spec
     return TransformerBlockSubmodules(
-        layer_specs=[spec] * options.num_layers, layer_norm=SequenceParallelTorchNorm
+        layer_specs=[spec] * options.num_layers, layer_norm=final_norm
     )
 
 

@@ -182,11 +182,12 @@ def _column_forward(linear: torch.nn.Module, runtime: DominoRuntime):
     """Domino's forward for a column-parallel linear, or ``None`` where the stock one serves.
 
     Megatron's linear needs Domino's forward for backward overlap (always on under sequence
-    parallelism). A TE linear needs it under sequence parallelism only: without it the forward
-    has no collective, and the backward's stays TE's (see :mod:`megatron_domino.te_linears`).
+    parallelism). A TE linear always does: under sequence parallelism it takes over the
+    all-gather, and in every case it keeps the chunks' weight gradients accumulating (see
+    :mod:`megatron_domino.te_linears`).
     """
     if is_te_linear(linear):
-        return te_column_parallel_forward if runtime.sequence_parallel else None
+        return te_column_parallel_forward
     return column_parallel_forward if runtime.config.backward_overlap else None
 
 

@@ -29,7 +29,8 @@ asynchronously, as it does for Megatron's linears:
   ``sequence_parallel``, is the same.
 * **Column-parallel without sequence parallelism**: the forward has no collective, and the
   backward's dX all-reduce stays TE's own, overlapped with TE's weight-gradient GEMM as in
-  stock Megatron. Domino's cross-chunk backward overlap cannot apply here: the fused norm's
+  stock Megatron (Domino's forward is still bound, for the weight-gradient accumulation
+  described in :func:`_domino_call_settings`). Domino's cross-chunk backward overlap cannot apply here: the fused norm's
   backward runs inside the same TE function right after the all-reduce, and moving the
   all-reduce behind it would leave the norm weights with partial gradients that nothing sums.
   So this combination needs ``--no-domino-backward-overlap`` (:func:`te_problems`).
@@ -127,13 +128,15 @@ def te_problems(
 
 
 @contextlib.contextmanager
-def _domino_call_settings(module: torch.nn.Module) -> Iterator[None]:
-    """Inside, a call of ``module`` runs its GEMM (and fused norm) without collectives.
+def _domino_call_settings(module: torch.nn.Module, *, own_collectives: bool) -> Iterator[None]:
+    """Settings of ``module`` for one call made by the schedule, restored on exit (also when
+    the call raises).
 
-    Sets ``parallel_mode = None`` and ``sequence_parallel = False`` (TE saves the values it ran
-    with for its backward) and restores them on exit, also when the call raises.
+    Unless ``own_collectives``, the call runs its GEMM (and fused norm) without collectives:
+    ``parallel_mode = None`` and ``sequence_parallel = False`` (TE saves the values it ran
+    with for its backward).
 
-    With fused weight-gradient accumulation (``--gradient-accumulation-fusion``) it also makes
+    In every case, with fused weight-gradient accumulation (``--gradient-accumulation-fusion``) it also makes
     Megatron's wrapper pass ``is_first_microbatch=None``. TE derives two things from that flag:
     whether to re-cast the weight to FP8 (``True``) or reuse the cached cast (``False``), and
     whether the backward *overwrites* ``main_grad`` (``True``) or accumulates into it. The
@@ -144,7 +147,8 @@ def _domino_call_settings(module: torch.nn.Module) -> Iterator[None]:
     of one FP8 weight cast per chunk instead of per micro-batch; without FP8 it costs nothing.
     """
     saved = module.parallel_mode, module.sequence_parallel, module.disable_parameter_transpose_cache
-    module.parallel_mode, module.sequence_parallel = None, False
+    if not own_collectives:
+        module.parallel_mode, module.sequence_parallel = None, False
     module.disable_parameter_transpose_cache = saved[2] or module.fuse_wgrad_accumulation
     try:
         yield
@@ -165,20 +169,23 @@ def te_row_partial(module: torch.nn.Module, input_: torch.Tensor):
         ``(partial [s, b/p, h], bias-or-None)``: the bias is returned, not added (the
         integration refuses TE row linears that would add it before the reduction).
     """
-    with _domino_call_settings(module):
+    with _domino_call_settings(module, own_collectives=False):
         return type(module).forward(module, input_)
 
 
 def te_column_parallel_forward(
     module: torch.nn.Module, input_: torch.Tensor, *, runtime: DominoRuntime
 ):
-    """A TE column-parallel linear (fused norm included) on the input the schedule gathered.
+    """A TE column-parallel linear (fused norm included) on the input the schedule prepared.
 
-    Bound under sequence parallelism only. Outside a Domino op, the stock forward runs.
+    Under sequence parallelism the schedule gathered the input and the call runs without
+    TE's collectives; without it the call keeps TE's (its backward input-gradient
+    all-reduce). Either way weight gradients keep accumulating over the chunks (see
+    :func:`_domino_call_settings`). Outside a Domino op, the stock forward runs.
 
     Args:
-        input_: ``[s, b/p, h]``, the full-sequence residual stream of one chunk, all-gathered
-            by the schedule.
+        input_: ``[s, b/p, h]``, one chunk's residual stream, full sequence (all-gathered by
+            the schedule under sequence parallelism).
     Returns:
         ``(output [s, b/p, n/tp], bias-or-None)`` as Megatron's TE wrapper returns it.
     """
@@ -189,10 +196,10 @@ def te_column_parallel_forward(
     if input_ is not chunk.linear_input:
         raise RuntimeError(
             "Domino: a Transformer Engine column-parallel linear received something other "
-            "than the gathered input the schedule prepared for it; this module structure is "
+            "than the input the schedule prepared for it; this module structure is "
             "unsupported."
         )
-    with _domino_call_settings(module):
+    with _domino_call_settings(module, own_collectives=not runtime.sequence_parallel):
         output, bias = type(module).forward(module, input_)
     time_backward(output, runtime.recorder, f"{step.sublayer}_column_gemm", step.layer, chunk.index)
     return output, bias

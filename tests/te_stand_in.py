@@ -125,35 +125,27 @@ class StandInTELayerNormColumnParallelLinear(_TEWrapperContract, ColumnParallelL
 def stand_in_te_layer_spec(normalization: str) -> ModuleSpec:
     """Megatron's TE layer spec, shape for shape, with the stand-ins and local attention."""
     spec = get_gpt_layer_local_spec(normalization=normalization)
-    layer = spec.submodules
-    attention = layer.self_attention
-    mlp = layer.mlp
-    attention = dataclasses.replace(
-        attention,
-        submodules=dataclasses.replace(
-            attention.submodules,
-            linear_qkv=StandInTELayerNormColumnParallelLinear,
-            linear_proj=StandInTERowParallelLinear,
-        ),
+    attention = _with_submodules(
+        spec.submodules.self_attention,
+        linear_qkv=StandInTELayerNormColumnParallelLinear,
+        linear_proj=StandInTERowParallelLinear,
     )
-    mlp = dataclasses.replace(
-        mlp,
-        submodules=dataclasses.replace(
-            mlp.submodules,
-            linear_fc1=StandInTELayerNormColumnParallelLinear,
-            linear_fc2=StandInTERowParallelLinear,
-        ),
+    mlp = _with_submodules(
+        spec.submodules.mlp,
+        linear_fc1=StandInTELayerNormColumnParallelLinear,
+        linear_fc2=StandInTERowParallelLinear,
     )
-    return dataclasses.replace(
+    return _with_submodules(
         spec,
-        submodules=dataclasses.replace(
-            layer,
-            input_layernorm=IdentityOp,
-            self_attention=attention,
-            pre_mlp_layernorm=IdentityOp,
-            mlp=mlp,
-        ),
+        input_layernorm=IdentityOp,
+        self_attention=attention,
+        pre_mlp_layernorm=IdentityOp,
+        mlp=mlp,
     )
+
+
+def _with_submodules(spec: ModuleSpec, **changes) -> ModuleSpec:
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **changes))
 
 
 def stand_in_linears(model: torch.nn.Module) -> list[_TEWrapperContract]:

@@ -154,25 +154,28 @@ def test_collectives_match_the_schedule_and_overlap(compared):
         assert not violations, (setting, violations[:3])
 
 
-def _first_microbatch_flags(fuse_wgrad_accumulation: bool) -> list:
+def _first_microbatch_flags(fuse_wgrad_accumulation: bool, sequence_parallel: bool) -> list:
     """``is_first_microbatch`` as TE would see it, per call, for one Domino forward."""
-    options = _options(True)
+    options = _options(sequence_parallel)
     model = _build(options)
     linears = stand_in_linears(model)
     for linear in linears:
         linear.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-    with apply_domino(model, DominoConfig(chunks=2)):
+    config = DominoConfig(chunks=2, backward_overlap=sequence_parallel)
+    with apply_domino(model, config):
         model(**token_batch(options, 4))
     return [[call.is_first_microbatch for call in linear.calls] for linear in linears]
 
 
-def test_first_microbatch_flag_keeps_weight_gradients_accumulating():
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sequence-parallel", "no-sp"])
+def test_first_microbatch_flag_keeps_weight_gradients_accumulating(sequence_parallel):
     """With fused weight-gradient accumulation, TE would overwrite main_grad in the backward of
     a call flagged first, and the first chunk's backward runs last: Domino passes None (always
-    accumulate). Without it, the first chunk casts the weight and the others reuse it."""
-    fused = run_on_ranks(_first_microbatch_flags, 2, args=(True,))[0]
+    accumulate) to every linear, also those that keep TE's collectives. Without it, the first
+    chunk casts the weight and the others reuse it."""
+    fused = run_on_ranks(_first_microbatch_flags, 2, args=(True, sequence_parallel))[0]
     assert all(flags == [None, None] for flags in fused), fused
-    unfused = run_on_ranks(_first_microbatch_flags, 2, args=(False,))[0]
+    unfused = run_on_ranks(_first_microbatch_flags, 2, args=(False, sequence_parallel))[0]
     assert all(flags == [True, False] for flags in unfused), unfused
 
 
