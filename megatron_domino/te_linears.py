@@ -35,6 +35,13 @@ asynchronously, as it does for Megatron's linears:
   all-reduce behind it would leave the norm weights with partial gradients that nothing sums.
   So this combination needs ``--no-domino-backward-overlap`` (:func:`te_problems`).
 
+Known risks, from reading TE's source (not observed): the backward FP8 scale update runs in
+the backward of the step's first FP8 call (chunk 0's first linear), normally the last
+backward; a chunk whose backward ran after it would add its amax to the next step's window.
+TE 2.x leaves ``optimize_for_gemm`` set on a module's quantizers after a call without
+collectives; it matters for block-scaled recipes (refused) in later stock calls (after
+``revert``).
+
 What has run where: this module's logic is tested on the CPU against a stand-in that keeps
 TE's ``parallel_mode``/``sequence_parallel`` contract (``tests/te_stand_in.py``); with real TE
 it has **not** been run (no GPU with TE was available). ``tests/test_transformer_engine_gpu.py``
