@@ -4,7 +4,7 @@ It replaces the stock forward of one block instance (see :mod:`megatron_domino.i
 and keeps its contract: hidden states ``[s, b, h]`` in, ``[s, b, h]`` out after the final
 norm, called with keyword arguments by ``GPTModel``. What the stock forward does around the
 layer loop (viewless tensors, the final norm, the FP8 context) is done the same way; the features it handles that Domino does not
-(recompute, offloading, cross-attention, inference) were refused when Domino was applied, and
+(full recompute, offloading, cross-attention, inference) were refused when Domino was applied, and
 arguments that only they use must be ``None`` here.
 
 FP8 (delayed scaling, the only recipe Domino accepts): like the stock forward, one

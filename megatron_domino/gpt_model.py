@@ -33,6 +33,9 @@ __all__ = [
     "FP8_FORMATS",
     "FP8_RECIPES",
     "MAKE_VOCAB_SIZE_DIVISIBLE_BY",
+    "RECOMPUTE_GRANULARITIES",
+    "RECOMPUTE_METHODS",
+    "RECOMPUTE_MODULES",
     "GPTOptions",
     "GPTOptionsError",
     "build_gpt_model",
@@ -53,6 +56,10 @@ _TRANSFORMER_IMPLS = ("local", "transformer_engine")
 FP8_FORMATS = ("e4m3", "hybrid")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 FP8_AMAX_COMPUTE_ALGOS = ("most_recent", "max")
+#: Megatron-LM's ``--recompute-*`` choices for dense GPT models.
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 
 
 class GPTOptionsError(ValueError):
@@ -117,6 +124,16 @@ class GPTOptions:
     sequence_parallel: bool = False
     """``--sequence-parallel``: shard the residual stream ``[s/tp, b, h]`` along the sequence
     between the tensor-parallel regions (needs ``seq_length`` divisible by the TP size)."""
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """``--recompute-granularity``: recompute activations in backward instead of keeping them:
+    ``selective`` recomputes ``recompute_modules``; ``full`` whole layers."""
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    """``--recompute-modules`` (selective): any of ``core_attn``, ``layernorm``, ``mlp``."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """``--recompute-method`` (full): ``uniform`` checkpoints groups of
+    ``recompute_num_layers`` layers; ``block`` the first ``recompute_num_layers`` layers."""
+    recompute_num_layers: int | None = None
+    """``--recompute-num-layers`` (full)."""
     fp8_format: Literal["e4m3", "hybrid"] | None = None
     """``--fp8-format``: run the TE linears' GEMMs in FP8 (``hybrid``: e4m3 forward, e5m2
     gradients); ``None`` is off. Needs ``transformer_engine``."""
@@ -147,6 +164,7 @@ class GPTOptions:
         )
         _require_choice("transformer_impl", self.transformer_impl, _TRANSFORMER_IMPLS)
         self._check_fp8()
+        self._check_recompute()
         for name in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise GPTOptionsError(
@@ -174,6 +192,28 @@ class GPTOptions:
                 f"than --seq-length {self.seq_length}: the learned position table needs a row "
                 "per position. Raise it to at least the sequence length."
             )
+
+    def _check_recompute(self) -> None:
+        granularity = self.recompute_granularity
+        if granularity is None:
+            return
+        _require_choice("recompute_granularity", granularity, RECOMPUTE_GRANULARITIES)
+        if granularity == "selective":
+            for module in self.recompute_modules:
+                _require_choice("recompute_modules", module, RECOMPUTE_MODULES)
+            if self.recompute_method is not None or self.recompute_num_layers is not None:
+                raise GPTOptionsError(
+                    "--recompute-method and --recompute-num-layers apply to "
+                    "--recompute-granularity full; drop them for selective recompute."
+                )
+            return
+        if self.recompute_method is None or self.recompute_num_layers is None:
+            raise GPTOptionsError(
+                "--recompute-granularity full needs --recompute-method (uniform or block) and "
+                "--recompute-num-layers, e.g. --recompute-method uniform --recompute-num-layers 1."
+            )
+        _require_choice("recompute_method", self.recompute_method, RECOMPUTE_METHODS)
+        _require_positive("recompute_num_layers", self.recompute_num_layers)
 
     def _check_fp8(self) -> None:
         _require_choice("fp8_recipe", self.fp8_recipe, FP8_RECIPES)
@@ -279,6 +319,10 @@ def transformer_config(
         params_dtype=dtype,
         tensor_model_parallel_size=tensor_model_parallel_size,
         sequence_parallel=options.sequence_parallel,
+        recompute_granularity=options.recompute_granularity,
+        recompute_modules=list(options.recompute_modules),
+        recompute_method=options.recompute_method,
+        recompute_num_layers=options.recompute_num_layers,
         fp8=options.fp8_format,
         fp8_recipe=options.fp8_recipe,
         fp8_margin=options.fp8_margin,

@@ -48,11 +48,6 @@ _REFUSED_FEATURES = (
         lambda v: v not in (None, "none"),
         "CUDA graphs bypass forward(); set cuda_graph_impl='none'",
     ),
-    (
-        "recompute_granularity",
-        lambda v: v is not None,
-        "activation recompute replays the forward outside Domino's schedule; drop --recompute-*",
-    ),
     ("num_moe_experts", lambda v: v is not None, "MoE layers are not supported; use a dense model"),
     (
         "overlap_moe_expert_parallel_comm",
@@ -101,6 +96,29 @@ _REFUSED_FEATURES = (
     ),
     ("inference_fuse_tp_communication", bool, "fused inference TP communication is not supported"),
 )
+
+
+def recompute_problems(granularity: str | None, modules) -> list[str]:
+    """Why Domino cannot run with this activation recompute (empty when it can).
+
+    Selective recompute of ``core_attn`` runs inside Megatron's ``SelfAttention``, which the
+    schedule calls per chunk, so each chunk's core attention is checkpointed on its own (no
+    collective inside). Recompute of the norms or the MLP, and full recompute, wrap code that
+    Domino re-sequences.
+    """
+    if granularity == "full":
+        return [
+            "full activation recompute replays whole layers outside Domino's schedule; use "
+            "--recompute-granularity selective --recompute-modules core_attn, or drop "
+            "--recompute-*"
+        ]
+    unsupported = sorted(set(modules) - {"core_attn"}) if granularity == "selective" else []
+    if unsupported:
+        return [
+            f"selective recompute of {', '.join(unsupported)} is not supported (Domino calls "
+            "the norms and the MLP itself); use --recompute-modules core_attn"
+        ]
+    return []
 
 
 class DominoHandle:
@@ -212,6 +230,9 @@ def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
             "--no-domino-backward-overlap is not supported with --sequence-parallel (the "
             "sequence-parallel collectives always overlap in backward); drop one of them"
         )
+    problems += recompute_problems(
+        model_config.recompute_granularity, model_config.recompute_modules or ()
+    )
     linears = [module for layer in block.layers for module in _tp_linears(layer).values()]
     if any(is_te_linear(module) for module in linears):
         check_transformer_engine_version()
@@ -260,7 +281,7 @@ def _layer_problems(layer: torch.nn.Module) -> list[str]:
     if not isinstance(layer.cross_attn_bda, IdentityFuncOp):
         problems.append("cross-attention bias-dropout-add is not supported")
     if layer.recompute_input_layernorm or layer.recompute_pre_mlp_layernorm or layer.recompute_mlp:
-        problems.append("activation recompute is not supported")
+        problems.append("selective recompute of layernorm or mlp is not supported")
     if (
         layer.offload_attn_norm
         or layer.offload_mlp_norm

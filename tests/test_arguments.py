@@ -22,6 +22,11 @@ BASE = (
 ).split()
 
 
+TP2_DOMINO = "--domino --tensor-model-parallel-size 2".split()
+FULL_RECOMPUTE = [
+    "--recompute-granularity", "full", "--recompute-method", "uniform",
+    "--recompute-num-layers", "1",
+]  # fmt: skip
 #: Domino on Transformer Engine layers at TP = 2.
 TE_DOMINO = "--domino --transformer-impl transformer_engine --tensor-model-parallel-size 2".split()
 
@@ -104,6 +109,17 @@ def test_layout_gives_data_parallel_size_and_gradient_accumulation():
             "--micro-batch-size 2 is not divisible by --domino-chunks 4",
         ),
         (["--fp8-format", "hybrid"], 2, "add --transformer-impl transformer_engine"),
+        (["--recompute-granularity", "full"], 2, "needs --recompute-method (uniform or block)"),
+        (
+            [*TP2_DOMINO, *FULL_RECOMPUTE],
+            2,
+            "full activation recompute replays whole layers",
+        ),
+        (
+            [*TP2_DOMINO, "--recompute-granularity", "selective", "--recompute-modules", "mlp"],
+            2,
+            "selective recompute of mlp is not supported",
+        ),
         (
             [*TE_DOMINO, "--domino-column-chunks", "2", "--sequence-parallel"],
             2,
@@ -119,6 +135,16 @@ def test_layout_gives_data_parallel_size_and_gradient_accumulation():
 )
 def test_invalid_combinations_name_the_problem(extra, world_size, expected):
     assert expected in invalid(*extra, world_size=world_size)
+
+
+def test_recompute_flags_reach_the_model_options():
+    args = parsed("--recompute-activations", *TP2_DOMINO)
+    options = model_options(args, vocab_size=101)
+    assert options.recompute_granularity == "selective"
+    assert options.recompute_modules == ("core_attn",)
+    full = model_options(parsed(*FULL_RECOMPUTE), vocab_size=101)  # valid without --domino
+    assert (full.recompute_granularity, full.recompute_method) == ("full", "uniform")
+    assert full.recompute_num_layers == 1
 
 
 def test_data_source_and_tokenizer_are_checked(tmp_path):

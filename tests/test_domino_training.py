@@ -20,7 +20,8 @@ Cases (tiny GPT: 2 layers, hidden 64, 4 heads, sequence 32):
   --domino-column-chunks 2``.
 * ``tp2-dp2-distributed-optimizer``: TP = 2 x DP = 2, ``--use-distributed-optimizer``,
   micro-batch 4, global batch 8, the RMSNorm/SwiGLU/RoPE/GQA model with untied output
-  weights; Domino ``--domino-chunks 4``.
+  weights and selective recompute of the core attention (``--recompute-activations``);
+  Domino ``--domino-chunks 4``.
 * ``tp2-ddp-accumulation-bf16``: the first case with ``--bf16``.
 
 Tolerances (relative to the baseline, per iteration, on the loss and on the grad norm):
@@ -109,7 +110,7 @@ CASES = {
         flags=[
             *MODERN_MODEL, "--untie-embeddings-and-output-weights",
             "--micro-batch-size", "4", "--global-batch-size", "8",
-            "--use-distributed-optimizer",
+            "--use-distributed-optimizer", "--recompute-activations",
         ],
         chunks=4, column_chunks=1, rtol=FP32_RTOL,
     ),

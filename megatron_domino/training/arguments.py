@@ -33,9 +33,13 @@ from megatron_domino.gpt_model import (
     FP8_AMAX_COMPUTE_ALGOS,
     FP8_FORMATS,
     FP8_RECIPES,
+    RECOMPUTE_GRANULARITIES,
+    RECOMPUTE_METHODS,
+    RECOMPUTE_MODULES,
     GPTOptions,
     GPTOptionsError,
 )
+from megatron_domino.integration import recompute_problems
 from megatron_domino.te_linears import te_problems
 
 #: Where --mock-data keeps its sample indices when --data-cache-path is not given.
@@ -58,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_parallel_args(parser)
     _add_batch_args(parser)
     _add_optimizer_args(parser)
+    _add_recompute_args(parser)
     _add_fp8_args(parser)
     _add_data_args(parser)
     _add_checkpoint_args(parser)
@@ -257,6 +262,48 @@ def _add_optimizer_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--seed", type=int, default=1234, help="Seed of every random generator. Default: 1234."
     )
+
+
+def _add_recompute_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "activation recompute", "Trade compute for activation memory (Megatron-LM's flags)."
+    )
+    group.add_argument(
+        "--recompute-activations",
+        action="store_true",
+        help="Selective recompute of the core attention; same as --recompute-granularity "
+        "selective with the default modules.",
+    )
+    group.add_argument(
+        "--recompute-granularity",
+        choices=RECOMPUTE_GRANULARITIES,
+        default=None,
+        help="selective: recompute --recompute-modules in backward; full: whole layers "
+        "(needs --recompute-method and --recompute-num-layers; not with --domino).",
+    )
+    group.add_argument(
+        "--recompute-modules",
+        nargs="+",
+        choices=RECOMPUTE_MODULES,
+        default=None,
+        help="Selective recompute: which parts. Default: core_attn (the only one --domino "
+        "supports).",
+    )
+    group.add_argument(
+        "--recompute-method",
+        choices=RECOMPUTE_METHODS,
+        default=None,
+        help="Full recompute: uniform (groups of --recompute-num-layers layers) or block (the "
+        "first --recompute-num-layers layers).",
+    )
+    group.add_argument(
+        "--recompute-num-layers", type=int, default=None, help="Full recompute: see above."
+    )
+
+
+def recompute_granularity(args: argparse.Namespace) -> str | None:
+    """``--recompute-granularity``, or ``selective`` for ``--recompute-activations``."""
+    return "selective" if args.recompute_activations else args.recompute_granularity
 
 
 def _add_fp8_args(parser: argparse.ArgumentParser) -> None:
@@ -519,6 +566,10 @@ def model_options(args: argparse.Namespace, *, vocab_size: int) -> GPTOptions:
         bf16=args.bf16,
         transformer_impl=args.transformer_impl,
         sequence_parallel=args.sequence_parallel,
+        recompute_granularity=recompute_granularity(args),
+        recompute_modules=tuple(args.recompute_modules or ("core_attn",)),
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
         fp8_format=args.fp8_format,
         fp8_recipe=args.fp8_recipe,
         fp8_margin=args.fp8_margin,
@@ -720,6 +771,11 @@ def _check_domino(args: argparse.Namespace) -> None:
             "--domino hides tensor-parallel communication, and --tensor-model-parallel-size 1 "
             "has none: use TP >= 2 or drop --domino."
         )
+    problems = recompute_problems(
+        recompute_granularity(args), args.recompute_modules or ("core_attn",)
+    )
+    if problems:
+        raise ArgumentsError("--domino: " + "; ".join(problems))
     if args.transformer_impl == "transformer_engine":
         fp8_recipe = args.fp8_recipe if args.fp8_format else None
         problems = te_problems(
