@@ -41,7 +41,8 @@ def domino_block_forward(
 
     Args:
         hidden_states: ``[s, b, h]`` (``[s/tp, b, h]`` under sequence parallelism, or a
-            ``WrappedTensor``), the embedding output.
+            ``WrappedTensor``), the embedding output; on a later pipeline stage ignored for
+            ``block.input_tensor``, the previous stage's output.
         attention_mask: ``[1, 1, s, s]`` shared, or ``[b, 1, s, s]`` per sample (sliced per chunk).
         **kwargs: the stock forward's other keyword arguments; unsupported ones must be None.
     Returns:
@@ -50,6 +51,9 @@ def domino_block_forward(
     _refuse_unsupported_arguments(kwargs)
     if isinstance(hidden_states, WrappedTensor):
         hidden_states = hidden_states.unwrap()
+    if not block.pre_process:
+        # A later pipeline stage: the schedule hands in the previous stage's output.
+        hidden_states = block.input_tensor
     hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
 
     p = runtime.config.chunks

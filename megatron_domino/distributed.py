@@ -170,17 +170,23 @@ def _seed_everything(seed: int) -> None:
 
 
 def init_distributed(
-    tensor_model_parallel_size: int, seed: int, backend: str | None = None
+    tensor_model_parallel_size: int,
+    seed: int,
+    backend: str | None = None,
+    *,
+    pipeline_model_parallel_size: int = 1,
 ) -> LaunchEnv:
     """Initialise torch.distributed, Megatron's model-parallel groups and the RNG streams.
 
-    Pipeline parallelism is 1; the remaining factor ``world_size / tensor_model_parallel_size``
-    is data parallelism.
+    The factor of the world size left after tensor and pipeline parallelism is data
+    parallelism.
 
     Args:
         tensor_model_parallel_size: TP group size; must divide the world size.
         seed: base seed (Megatron-LM's ``--seed``).
         backend: ``"nccl"`` or ``"gloo"``; by default NCCL with CUDA, gloo without.
+        pipeline_model_parallel_size: pipeline stages (1 for the training script, which has
+            no pipeline schedule; the tests use more).
     Returns:
         The launch environment that was recognised.
     Raises:
@@ -211,7 +217,10 @@ def init_distributed(
         rank=launch.rank,
         world_size=launch.world_size,
     )
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+    )
     _seed_everything(seed)
     return launch
 

@@ -24,7 +24,10 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from megatron_domino.norms import SequenceParallelTorchNorm
 
@@ -299,6 +302,7 @@ def transformer_config(
     on every weight, and ``persist_layer_norm`` because it needs Apex.
     """
     options.check_tensor_parallel(tensor_model_parallel_size)
+    pipeline_stages = parallel_state.get_pipeline_model_parallel_world_size()
     cuda = torch.cuda.is_available()
     fused = cuda and options.transformer_impl == "transformer_engine"
     dtype = torch.bfloat16 if options.bf16 else torch.float32
@@ -318,6 +322,8 @@ def transformer_config(
         bf16=options.bf16,
         params_dtype=dtype,
         tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_stages,
+        pipeline_dtype=dtype if pipeline_stages > 1 else None,
         sequence_parallel=options.sequence_parallel,
         recompute_granularity=options.recompute_granularity,
         recompute_modules=list(options.recompute_modules),
@@ -383,32 +389,37 @@ def build_gpt_model(options: GPTOptions, *, spec: ModuleSpec | None = None) -> G
 
     Needs ``megatron.core.parallel_state`` initialised (see
     :func:`megatron_domino.distributed.init_distributed`). The model is built as Megatron-LM's
-    ``pretrain_gpt`` builds it with one pipeline stage: it takes token ids ``[b, s]``, position
-    ids ``[b, s]`` and a mask ``[1, 1, s, s]`` and returns logits ``[b, s, V_pad / TP]`` (this
-    rank's vocabulary shard), or with ``labels=[b, s]`` the per-token loss ``[b, s]``. It is
+    ``pretrain_gpt`` builds it: it takes token ids ``[b, s]``, position ids ``[b, s]`` and a
+    mask ``[1, 1, s, s]`` and returns logits ``[b, s, V_pad / TP]`` (this rank's vocabulary
+    shard), or with ``labels=[b, s]`` the per-token loss ``[b, s]``. Under pipeline
+    parallelism it is this stage's share of the layers: the first stage embeds, the last
+    computes the output (the others take their input through ``set_input_tensor``). It is
     not wrapped in ``Float16Module`` or DDP; the training loop does that.
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    config = transformer_config(options, tensor_model_parallel_size=tp)
     return GPTModel(
-        config=transformer_config(options, tensor_model_parallel_size=tp),
-        transformer_layer_spec=_block_spec(options, spec or layer_spec(options)),
+        config=config,
+        transformer_layer_spec=_block_spec(options, spec or layer_spec(options), config),
         vocab_size=padded_vocab_size(options.vocab_size, tp),
         max_sequence_length=options.resolved_max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=not options.untie_embeddings_and_output_weights,
         position_embedding_type=options.position_embedding_type,
     )
 
 
-def _block_spec(options: GPTOptions, spec: ModuleSpec) -> ModuleSpec | TransformerBlockSubmodules:
+def _block_spec(
+    options: GPTOptions, spec: ModuleSpec, config: TransformerConfig
+) -> ModuleSpec | TransformerBlockSubmodules:
     """The layer spec, or a block spec where the final norm must not be Megatron's default.
 
     Megatron-Core's default final norm (Apex's, or without Apex a torch norm that refuses
     sequence parallelism) is replaced by TE's fused norm under ``transformer_engine`` (as
     Megatron-LM's TE block spec has it) and by :class:`SequenceParallelTorchNorm` under
-    sequence parallelism otherwise.
+    sequence parallelism otherwise. A block spec lists this pipeline stage's layers only.
     """
     if options.transformer_impl == "transformer_engine":
         from megatron.core.extensions.transformer_engine import TENorm
@@ -419,7 +430,7 @@ def _block_spec(options: GPTOptions, spec: ModuleSpec) -> ModuleSpec | Transform
     else:
         return spec
     return TransformerBlockSubmodules(
-        layer_specs=[spec] * options.num_layers, layer_norm=final_norm
+        layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=final_norm
     )
 
 

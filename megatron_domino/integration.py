@@ -74,11 +74,6 @@ _REFUSED_FEATURES = (
         "activation offloading is not supported; disable it",
     ),
     (
-        "pipeline_model_parallel_size",
-        lambda v: (v or 1) > 1,
-        "pipeline parallelism is not supported by Domino yet; use --pipeline-model-parallel-size 1",
-    ),
-    (
         "context_parallel_size",
         lambda v: (v or 1) > 1,
         "context parallelism is not supported; use size 1",
@@ -264,8 +259,12 @@ def _layer_problems(layer: torch.nn.Module) -> list[str]:
         return [f"{type(layer).__name__} is not a dense Megatron-Core TransformerLayer"]
     attention, mlp = layer.self_attention, layer.mlp
     problems = []
-    if not isinstance(attention, SelfAttention) or not isinstance(mlp, MLP):
-        problems.append("self-attention and MLP must be Megatron-Core's SelfAttention and MLP")
+    if type(attention).forward is not SelfAttention.forward or type(mlp).forward is not MLP.forward:
+        problems.append(
+            f"{type(attention).__name__} / {type(mlp).__name__}: the schedule runs "
+            "Megatron-Core's SelfAttention and MLP forward (a fused variant such as TE's fused "
+            "MLP runs fc1 and fc2 as one op); use the standard layer spec"
+        )
         return problems
     linears = _tp_linears(layer)
     if len(linears) < len(_TP_LINEARS):

@@ -69,6 +69,7 @@ def _rank_main(
     device: str,
     init: str,
     tensor_model_parallel_size: int,
+    pipeline_model_parallel_size: int,
     seed: int,
     target: str,
     args: tuple,
@@ -119,7 +120,12 @@ def _rank_main(
             from megatron_domino.distributed import destroy_distributed, init_distributed
 
             with runtime_for_device():
-                init_distributed(tensor_model_parallel_size, seed, backend="gloo")
+                init_distributed(
+                    tensor_model_parallel_size,
+                    seed,
+                    backend="gloo",
+                    pipeline_model_parallel_size=pipeline_model_parallel_size,
+                )
                 try:
                     result = fn(*args)
                 finally:
@@ -137,6 +143,7 @@ def run_ranks(
     args: Sequence[Any] = (),
     init: Literal["megatron", "plain"] = "megatron",
     tensor_model_parallel_size: int | None = None,
+    pipeline_model_parallel_size: int = 1,
     seed: int = 1234,
     timeout_s: float = 180.0,
 ) -> list[Any]:
@@ -151,21 +158,23 @@ def run_ranks(
             inside :func:`~megatron_domino.cpu_runtime.runtime_for_device`; ``plain``: only a
             gloo default process group (enough for the collective probe).
         tensor_model_parallel_size: TP size for ``init="megatron"``; defaults to
-            ``world_size`` (all ranks in one tensor-parallel group).
+            ``world_size / pipeline_model_parallel_size``.
+        pipeline_model_parallel_size: pipeline stages for ``init="megatron"``.
         seed: Megatron-LM's ``--seed`` for ``init="megatron"``.
         timeout_s: wall-clock limit; past it every rank is killed.
     Raises:
         RankFailure: a rank raised (its traceback is in the message), died without reporting,
             or the time ran out. All ranks are gone when this returns or raises.
     """
-    tp = world_size if tensor_model_parallel_size is None else tensor_model_parallel_size
+    pp = pipeline_model_parallel_size
+    tp = world_size // pp if tensor_model_parallel_size is None else tensor_model_parallel_size
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     processes = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, device, init, tp, seed, target, tuple(args), results),
+            args=(rank, world_size, port, device, init, tp, pp, seed, target, tuple(args), results),
             name=f"rank{rank}",
         )
         for rank in range(world_size)

@@ -6,8 +6,9 @@ On two gloo ranks (TP = 2), using the patched script's own ``extra_args_provider
 1. Megatron-LM's ``parse_args`` and ``validate_args`` accept the Domino flags next to its own;
 2. the model built with ``--domino`` has Domino bound to its transformer block, and its loss and
    gradients match the model built without ``--domino`` from the same weights;
-3. the patch refuses ``--transformer-impl transformer_engine`` and a micro-batch that
-   ``--domino-chunks`` does not divide, before building anything.
+3. the patch refuses a micro-batch that ``--domino-chunks`` does not divide before building
+   anything, and ``apply_domino`` (through the patch) refuses full activation recompute right
+   after the model is built.
 
     MLM=/path/to/patched/Megatron-LM PYTHONPATH=$MLM python patches/cpu_smoke.py
 
@@ -123,8 +124,18 @@ def on_rank():
     )
     refusals = [
         (
-            "TE refused",
-            ["--transformer-impl", "transformer_engine", "--domino"],
+            "full recompute refused",
+            [
+                "--transformer-impl",
+                "local",
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "1",
+                "--domino",
+            ],
             DominoUnsupportedError,
         ),
         (
@@ -153,7 +164,8 @@ def main() -> int:
         and r["stock model untouched"]
         and abs(r["loss stock / domino"][0] - r["loss stock / domino"][1]) < 1e-5
         and r["max |grad diff|"] < 1e-5
-        and "NOT REFUSED" not in (r["TE refused"], r["mbs 4 / --domino-chunks 3 refused"])
+        and "NOT REFUSED"
+        not in (r["full recompute refused"], r["mbs 4 / --domino-chunks 3 refused"])
         for r in reports
     )
     print("SMOKE OK" if ok else "SMOKE FAILED")

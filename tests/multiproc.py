@@ -25,6 +25,7 @@ def run_on_ranks(
     *,
     args: Sequence[Any] = (),
     tensor_model_parallel_size: int | None = None,
+    pipeline_model_parallel_size: int = 1,
     seed: int = 1234,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> list[Any]:
@@ -35,6 +36,7 @@ def run_on_ranks(
         device="cpu",
         args=args,
         tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
         seed=seed,
         timeout_s=timeout_s,
     )

@@ -38,7 +38,6 @@ REFUSED = [
     ("fp4", "nvfp4", "FP4 is not supported"),
     ("first_last_layers_bf16", True, "drop --first-last-layers-bf16"),
     ("symmetric_ar_type", "two_shot", "drop --symmetric-ar-type"),
-    ("pipeline_model_parallel_size", 2, "pipeline parallelism"),
 ]
 
 
