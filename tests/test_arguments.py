@@ -109,6 +109,12 @@ def test_layout_gives_data_parallel_size_and_gradient_accumulation():
             "--micro-batch-size 2 is not divisible by --domino-chunks 4",
         ),
         (["--fp8-format", "hybrid"], 2, "add --transformer-impl transformer_engine"),
+        (
+            ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+            6,
+            "launch a multiple of 4 processes",
+        ),
+        (["--pipeline-model-parallel-size", "4"], 4, "--num-layers 2 is not divisible"),
         (["--recompute-granularity", "full"], 2, "needs --recompute-method (uniform or block)"),
         (
             [*TP2_DOMINO, *FULL_RECOMPUTE],

@@ -4,7 +4,9 @@ For the numbers to agree, the checkpoint must restore the model, the optimizer m
 step counts, the learning-rate schedule, the data position and every RNG stream. Two layouts
 on two gloo ranks: TP = 2 with dropout on (so the TP-rank-specific RNG stream that attention
 dropout draws from matters), and DP = 2 with the distributed optimizer, overlapped gradient
-reduction, gradient accumulation and bf16 (so optimizer state is sharded over ranks).
+reduction, gradient accumulation and bf16 (so optimizer state is sharded over ranks). And
+on four ranks, TP = 2 x PP = 2 with dropout (each stage saves its own layers, optimizer state
+and RNG streams).
 """
 
 import pytest
@@ -20,27 +22,34 @@ COMMON = [
     "--train-iters", "4",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
 ]  # fmt: skip
+DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+#: layout -> (ranks, flags)
 LAYOUTS = {
-    "tp2-dropout": [
+    "tp2-dropout": (2, [
         "--tensor-model-parallel-size", "2",
         "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-        "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
-    ],
-    "dp2-distributed-optimizer-bf16": [
+        *DROPOUT,
+    ]),
+    "dp2-distributed-optimizer-bf16": (2, [
         "--global-batch-size", "8",
         "--use-distributed-optimizer", "--overlap-grad-reduce", "--bf16",
-    ],
+    ]),
+    "tp2-pp2-dropout": (4, [
+        "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", *DROPOUT,
+    ]),
 }  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_resumed_run_matches_the_uninterrupted_run(tmp_path, layout):
-    run = [*COMMON, *LAYOUTS[layout], "--data-cache-path", str(tmp_path / "cache")]
+    nproc, flags = LAYOUTS[layout]
+    run = [*COMMON, *flags, "--data-cache-path", str(tmp_path / "cache")]
     ckpt = tmp_path / "ckpt"
     full, resumed = tmp_path / "full.jsonl", tmp_path / "resumed.jsonl"
     run_pretrain(
         [*run, "--save", str(ckpt), "--save-interval", "2", "--log-json", str(full)],
         cwd=tmp_path,
+        nproc=nproc,
     )
     assert latest_iteration(str(ckpt)) == 4
     assert (tmp_path / checkpoint_path("ckpt", 2)).is_dir()
@@ -48,6 +57,7 @@ def test_resumed_run_matches_the_uninterrupted_run(tmp_path, layout):
     output = run_pretrain(
         [*run, "--load", str(ckpt), "--ckpt-step", "2", "--log-json", str(resumed)],
         cwd=tmp_path,
+        nproc=nproc,
     )
     assert "resuming from iteration 2" in output
 

@@ -23,6 +23,8 @@ Cases (tiny GPT: 2 layers, hidden 64, 4 heads, sequence 32):
   weights and selective recompute of the core attention (``--recompute-activations``);
   Domino ``--domino-chunks 4``.
 * ``tp2-ddp-accumulation-bf16``: the first case with ``--bf16``.
+* ``tp2-pp2``: TP = 2 x PP = 2 (4 ranks, one layer per stage), Megatron-Core's 1F1B schedule
+  over 3 micro-batches of 4, the RMSNorm/SwiGLU/RoPE/GQA model; Domino ``--domino-chunks 2``.
 
 Tolerances (relative to the baseline, per iteration, on the loss and on the grad norm):
 
@@ -118,6 +120,14 @@ CASES = {
         nproc=2,
         flags=[*MODERN_MODEL, "--micro-batch-size", "4", "--global-batch-size", "8", "--bf16"],
         chunks=2, column_chunks=1, rtol=BF16_RTOL,
+    ),
+    "tp2-pp2": Case(
+        nproc=4,
+        flags=[
+            *MODERN_MODEL, "--pipeline-model-parallel-size", "2",
+            "--micro-batch-size", "4", "--global-batch-size", "12",
+        ],
+        chunks=2, column_chunks=1, rtol=FP32_RTOL,
     ),
 }  # fmt: skip
 

@@ -359,7 +359,7 @@ def test_srun_recipe_trains_with_ranks_from_slurm_variables(tmp_path):
         DATA_CACHE_PATH=str(tmp_path / "cache"),
     )
     log = (tmp_path / "run" / "train.log").read_text()
-    assert log.startswith("# pretrain: tiny, 1 node(s) x 2 ranks, TP=2, DP=1 (srun)")
+    assert log.startswith("# pretrain: tiny, 1 node(s) x 2 ranks, TP=2, PP=1, DP=1 (srun)")
     assert "iteration        3/       3" in log and "Summary" in log
     records = (tmp_path / "run" / "log.jsonl").read_text().splitlines()
     assert [json.loads(r)["iteration"] for r in records] == [1, 2, 3]

@@ -136,16 +136,17 @@ recipe_setup() {
     MODEL_NAME=$(basename "$RECIPE_MODEL_FILE" .env)
     recipe_read_model "$RECIPE_MODEL_FILE"
 
-    # Layout: nodes from the SLURM allocation (1 outside SLURM), ranks per node, TP size.
+    # Layout: nodes from the SLURM allocation (1 outside SLURM), ranks per node, TP and PP sizes.
     NNODES=${NNODES:-${SLURM_NNODES:-1}}
     GPUS_PER_NODE=${GPUS_PER_NODE:-8}
     TP=${TP:-8}
-    recipe_require_int NNODES GPUS_PER_NODE TP
+    PP=${PP:-1}
+    recipe_require_int NNODES GPUS_PER_NODE TP PP
     WORLD_SIZE=$((NNODES * GPUS_PER_NODE))
-    ((TP >= 1 && WORLD_SIZE % TP == 0)) ||
-        recipe_die "TP=$TP does not divide the $WORLD_SIZE ranks \
+    ((TP >= 1 && PP >= 1 && WORLD_SIZE % (TP * PP) == 0)) ||
+        recipe_die "TP=$TP x PP=$PP does not divide the $WORLD_SIZE ranks \
 (NNODES=$NNODES x GPUS_PER_NODE=$GPUS_PER_NODE)."
-    DP=$((WORLD_SIZE / TP))
+    DP=$((WORLD_SIZE / (TP * PP)))
 
     # Batch and schedule. One micro-batch per data-parallel rank per step unless
     # GLOBAL_BATCH_SIZE asks for gradient accumulation.
@@ -273,8 +274,8 @@ recipe_pretrain_args() {
     # FP8 GEMMs in Transformer Engine's linears (TRANSFORMER_IMPL=transformer_engine).
     [[ -n $FP8_FORMAT ]] && TRAINING_ARGS+=(--fp8-format "$FP8_FORMAT" --fp8-recipe delayed)
 
-    # Tensor (and sequence) parallelism: pretrain_gpt_domino.py has no pipeline parallelism.
-    MODEL_PARALLEL_ARGS=(--tensor-model-parallel-size "$TP")
+    # Tensor (and sequence) and pipeline parallelism.
+    MODEL_PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
     ((SEQUENCE_PARALLEL)) && MODEL_PARALLEL_ARGS+=(--sequence-parallel)
     ((DISTRIBUTED_OPTIMIZER)) && MODEL_PARALLEL_ARGS+=(--use-distributed-optimizer)
     ((OVERLAP_GRAD_REDUCE)) && MODEL_PARALLEL_ARGS+=(--overlap-grad-reduce)
@@ -365,7 +366,7 @@ recipe_launcher() {
 # recipe_print LABEL: the resolved environment and command line, runnable as printed.
 recipe_print() {
     local name
-    echo "# $1: $MODEL_NAME, $NNODES node(s) x $GPUS_PER_NODE ranks, TP=$TP, DP=$DP ($RECIPE_STYLE)"
+    echo "# $1: $MODEL_NAME, $NNODES node(s) x $GPUS_PER_NODE ranks, TP=$TP, PP=$PP, DP=$DP ($RECIPE_STYLE)"
     for name in "${RECIPE_EXPORTS[@]}"; do
         printf 'export %s=%q\n' "$name" "${!name}"
     done

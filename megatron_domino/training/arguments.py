@@ -175,7 +175,15 @@ def _add_parallel_args(parser: argparse.ArgumentParser) -> None:
         "--tensor-model-parallel-size",
         type=int,
         default=1,
-        help="Tensor-parallel ranks per model replica; data-parallel size = world size / this.",
+        help="Tensor-parallel ranks per model replica; data-parallel size = world size / "
+        "(TP x PP).",
+    )
+    group.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        help="Pipeline stages, each holding --num-layers / PP consecutive layers; Megatron-Core's "
+        "one-forward-one-backward schedule runs the micro-batches through them. Default: 1.",
     )
     group.add_argument(
         "--sequence-parallel",
@@ -500,6 +508,7 @@ class Layout:
 
     world_size: int
     tensor_parallel_size: int
+    pipeline_parallel_size: int
     data_parallel_size: int
     micro_batch_size: int
     global_batch_size: int
@@ -509,30 +518,37 @@ class Layout:
     @classmethod
     def from_args(cls, args: argparse.Namespace, world_size: int) -> Layout:
         """Raise :class:`ArgumentsError` unless the ranks and batch sizes divide evenly."""
-        tp = args.tensor_model_parallel_size
-        if world_size % tp:
+        tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        if world_size % (tp * pp):
             raise ArgumentsError(
                 f"The world size {world_size} is not divisible by "
-                f"--tensor-model-parallel-size {tp}: launch a multiple of {tp} processes or "
-                "change the tensor-parallel size."
+                f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}: "
+                f"launch a multiple of {tp * pp} processes or change the parallel sizes."
+            )
+        if args.num_layers % pp:
+            raise ArgumentsError(
+                f"--num-layers {args.num_layers} is not divisible by "
+                f"--pipeline-model-parallel-size {pp}: every stage holds the same number of "
+                "layers."
             )
         if args.sequence_parallel and tp < 2:
             raise ArgumentsError(
                 "--sequence-parallel shards the sequence over the tensor-parallel ranks and "
                 "needs --tensor-model-parallel-size > 1; raise it or drop --sequence-parallel."
             )
-        dp = world_size // tp
+        dp = world_size // (tp * pp)
         micro = args.micro_batch_size
         global_batch = micro * dp if args.global_batch_size is None else args.global_batch_size
         if global_batch % (micro * dp):
             raise ArgumentsError(
                 f"--global-batch-size {global_batch} is not divisible by --micro-batch-size "
-                f"{micro} x data-parallel size {dp} (= {world_size} ranks / TP {tp}): use a "
+                f"{micro} x data-parallel size {dp} (= {world_size} ranks / TP {tp} / PP {pp}): use a "
                 f"global batch that is a multiple of {micro * dp}."
             )
         return cls(
             world_size=world_size,
             tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
             data_parallel_size=dp,
             micro_batch_size=micro,
             global_batch_size=global_batch,
@@ -628,6 +644,7 @@ _POSITIVE = (
     "num_query_groups",
     "seq_length",
     "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
     "micro_batch_size",
     "train_iters",
     "log_interval",

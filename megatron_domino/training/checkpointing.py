@@ -4,7 +4,8 @@ A checkpoint holds everything that decides the next iteration, so that a resumed
 exactly the losses the uninterrupted run would have: the model and optimizer (as sharded
 tensors, so every TP rank writes only its shard), the learning-rate scheduler, the iteration
 (from which the data position follows), and every random generator's state (Python, NumPy,
-torch, CUDA if present, and Megatron's tensor-parallel RNG tracker), one copy per TP rank.
+torch, CUDA if present, and Megatron's tensor-parallel RNG tracker), one copy per pipeline
+stage and TP rank.
 
 The layout follows Megatron-LM's, so its tools recognise it: ``<root>/iter_0000100/`` per
 checkpoint and ``<root>/latest_checkpointed_iteration.txt`` naming the newest complete one,
@@ -177,11 +178,12 @@ def _sharded_state_dict(
 
 
 def _rng_state() -> ShardedObject:
-    """This rank's generator states, stored once per TP rank (data-parallel ranks share them).
+    """This rank's generator states, stored once per (pipeline stage, TP rank); data-parallel
+    ranks share them.
 
     TP ranks differ (Megatron seeds the tensor-parallel tracker per TP rank, e.g. for dropout
-    inside a TP region); data-parallel replicas run the same ops from the same seeds, so the
-    first one's copy stands for all of them.
+    inside a TP region), and so do pipeline stages (they run different layers); data-parallel
+    replicas run the same ops from the same seeds, so the first one's copy stands for all.
     """
     state = {
         "random": random.getstate(),
@@ -194,8 +196,14 @@ def _rng_state() -> ShardedObject:
     return ShardedObject(
         "rng_state",
         state,
-        (parallel_state.get_tensor_model_parallel_world_size(),),
-        (parallel_state.get_tensor_model_parallel_rank(),),
+        (
+            parallel_state.get_pipeline_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+        ),
+        (
+            parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_rank(),
+        ),
         replica_id=parallel_state.get_data_parallel_rank(),
     )
 

@@ -1,7 +1,7 @@
 """The training loop: one optimizer step, evaluation, and the iteration schedule around them.
 
-A step is Megatron-Core's own: ``get_forward_backward_func()`` (no pipeline parallelism here)
-runs every micro-batch's forward and backward, accumulating gradients in DDP's buffers and
+A step is Megatron-Core's own: ``get_forward_backward_func()`` (one-forward-one-backward over
+the pipeline stages under pipeline parallelism) runs every micro-batch's forward and backward, accumulating gradients in DDP's buffers and
 reducing them over data-parallel ranks at the end, then the Megatron optimizer clips and
 steps, and the scheduler advances by the step's samples (as in Megatron-LM, so warmup and
 decay lengths in iterations mean the same thing at any batch size).
@@ -86,11 +86,20 @@ def _forward_step(attention_mask: torch.Tensor, device: torch.device, data_itera
 
 
 def _mean_loss(reports: list[dict[str, torch.Tensor]], device: torch.device) -> float:
-    """Token-weighted mean loss over micro-batches and data-parallel ranks."""
+    """Token-weighted mean loss over micro-batches and data-parallel ranks, on every rank.
+
+    Under pipeline parallelism only the last stage computes the loss (``reports`` is empty on
+    the others); summing over the pipeline group hands it to every stage, rank 0's reporter
+    included.
+    """
     total = torch.zeros(2, device=device)
     for report in reports:
         total += report["lm loss"].to(device)
     torch.distributed.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        torch.distributed.all_reduce(
+            total, group=parallel_state.get_pipeline_model_parallel_group()
+        )
     return (total[0] / total[1].clamp(min=1)).item()
 
 

@@ -60,7 +60,11 @@ def pretrain(argv: Sequence[str] | None = None) -> RunSummary:
     """
     args = parse_args(argv, world_size=detect_launch().world_size)
     with runtime_for_device():
-        init_distributed(args.tensor_model_parallel_size, seed=args.seed)
+        init_distributed(
+            args.tensor_model_parallel_size,
+            seed=args.seed,
+            pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        )
         try:
             return _run(args)
         finally:
@@ -299,11 +303,12 @@ def _banner(
 ) -> str:
     params = sum(p.numel() for p in model.parameters())
     lines = [
-        f"world size {layout.world_size} = TP {layout.tensor_parallel_size} x DP "
-        f"{layout.data_parallel_size}; global batch {layout.global_batch_size} = micro "
+        f"world size {layout.world_size} = TP {layout.tensor_parallel_size} x PP "
+        f"{layout.pipeline_parallel_size} x DP {layout.data_parallel_size}; global batch {layout.global_batch_size} = micro "
         f"{layout.micro_batch_size} x DP x {layout.num_microbatches} accumulation steps; "
         f"seq length {args.seq_length}",
-        f"parameters on TP rank 0: {params:,}; Domino: {domino if domino else 'off'}",
+        f"parameters on TP rank 0 of the first stage: {params:,}; Domino: "
+        f"{domino if domino else 'off'}",
         f"resuming from iteration {start} of {args.load}"
         if start
         else f"training from scratch for {args.train_iters} iterations",
