@@ -3,9 +3,10 @@
 It replaces the stock forward of one block instance (see :mod:`megatron_domino.integration`)
 and keeps its contract: hidden states ``[s, b, h]`` in, ``[s, b, h]`` out after the final
 norm, called with keyword arguments by ``GPTModel``. What the stock forward does around the
-layer loop (viewless tensors, the final norm, the FP8 context) is done the same way; the features it handles that Domino does not
-(full recompute, offloading, cross-attention, inference) were refused when Domino was applied, and
-arguments that only they use must be ``None`` here.
+layer loop (viewless tensors, the final norm, the FP8 context, full activation recompute by
+ranges of layers, see :func:`layer_groups`) is done the same way; the features it handles
+that Domino does not (offloading, cross-attention, inference) were refused when Domino was
+applied, and arguments that only they use must be ``None`` here.
 
 FP8 (delayed scaling, the only recipe Domino accepts): like the stock forward, one
 ``fp8_autocast`` wraps the whole layer stack, now for all chunks. TE accumulates each
@@ -17,10 +18,11 @@ the same amax the unchunked batch would give (the maximum over the chunks).
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from megatron.core.fp8_utils import get_fp8_context
-from megatron.core.tensor_parallel import get_cuda_rng_tracker
+from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
@@ -63,7 +65,71 @@ def domino_block_forward(
             f"Micro-batch size {batch} is not divisible by --domino-chunks {p}; use a "
             "micro-batch that is a multiple of the chunk count."
         )
-    attention_bias = kwargs.get("attention_bias")
+    run_group = functools.partial(
+        _run_group,
+        block,
+        runtime,
+        attention_mask=attention_mask,
+        attention_bias=kwargs.get("attention_bias"),
+        attention_kwargs={name: kwargs.get(name) for name in SHARED_ATTENTION_ARGS},
+    )
+    # Under sequence parallelism each rank holds other tokens, so hidden dropout draws from
+    # the tensor-parallel RNG stream, as in the stock forward.
+    rng = get_cuda_rng_tracker().fork() if runtime.sequence_parallel else contextlib.nullcontext()
+    fp8 = get_fp8_context(block.config) if block.config.fp8 else contextlib.nullcontext()
+    with rng, fp8:
+        for first, last, recomputed in layer_groups(block):
+            group = functools.partial(run_group, first=first, last=last)
+            if recomputed:
+                hidden_states = checkpoint(
+                    group, block.config.distribute_saved_activations, hidden_states
+                )
+            else:
+                hidden_states = group(hidden_states)
+
+    if block.final_layernorm is not None:
+        hidden_states = block.final_layernorm(hidden_states)
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+    return hidden_states
+
+
+def layer_groups(block: TransformerBlock) -> list[tuple[int, int, bool]]:
+    """``(first, last, recomputed)`` layer ranges the block runs one after another.
+
+    Without full activation recompute (or outside training, as in the stock forward): all
+    layers at once. With it, the ranges Megatron-Core checkpoints: ``uniform`` groups of
+    ``recompute_num_layers`` layers, or with ``block`` the first ``recompute_num_layers``
+    layers one by one and the rest at once. Each range is one Domino step: its collectives
+    are all waited inside it, so that its recompute in backward replays a self-contained
+    schedule (inter-layer overlap stops at range boundaries).
+    """
+    config, n = block.config, len(block.layers)
+    if config.recompute_granularity != "full" or not block.training:
+        return [(0, n, False)]
+    k = config.recompute_num_layers
+    if config.recompute_method == "uniform":
+        return [(i, min(i + k, n), True) for i in range(0, n, k)]
+    groups = [(i, i + 1, True) for i in range(min(k, n))]
+    return groups + ([(k, n, False)] if k < n else [])
+
+
+def _run_group(
+    block: TransformerBlock,
+    runtime: DominoRuntime,
+    hidden_states: torch.Tensor,
+    *,
+    first: int,
+    last: int,
+    attention_mask: torch.Tensor | None,
+    attention_bias: torch.Tensor | None,
+    attention_kwargs: dict,
+) -> torch.Tensor:
+    """Layers ``first..last-1`` on ``hidden_states`` ``[s, b, h]``, as one Domino step.
+
+    Splits the batch into the chunks, runs the schedule, and joins them again; called again
+    with the same input when a recomputed range is replayed in backward.
+    """
+    p, batch = runtime.config.chunks, hidden_states.shape[1]
     chunks = [
         ChunkState(
             index=c,
@@ -73,19 +139,9 @@ def domino_block_forward(
         )
         for c, hidden in enumerate(hidden_states.chunk(p, dim=1))
     ]
-    attention_kwargs = {name: kwargs.get(name) for name in SHARED_ATTENTION_ARGS}
-    # Under sequence parallelism each rank holds other tokens, so hidden dropout draws from
-    # the tensor-parallel RNG stream, as in the stock forward.
-    rng = get_cuda_rng_tracker().fork() if runtime.sequence_parallel else contextlib.nullcontext()
-    fp8 = get_fp8_context(block.config) if block.config.fp8 else contextlib.nullcontext()
-    with runtime.new_step(chunks), rng, fp8:
-        run_layers(runtime, block.layers, chunks, attention_kwargs)
-        hidden_states = torch.cat([chunk.hidden for chunk in chunks], dim=1)
-
-    if block.final_layernorm is not None:
-        hidden_states = block.final_layernorm(hidden_states)
-        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
-    return hidden_states
+    with runtime.new_step(chunks):
+        run_layers(runtime, block.layers[first:last], chunks, attention_kwargs, first_index=first)
+        return torch.cat([chunk.hidden for chunk in chunks], dim=1)
 
 
 def _chunk_of(tensor: torch.Tensor | None, chunk: int, chunks: int, batch: int):

@@ -93,19 +93,19 @@ _REFUSED_FEATURES = (
 )
 
 
-def recompute_problems(granularity: str | None, modules) -> list[str]:
+def recompute_problems(granularity: str | None, modules, *, fp8: bool) -> list[str]:
     """Why Domino cannot run with this activation recompute (empty when it can).
 
     Selective recompute of ``core_attn`` runs inside Megatron's ``SelfAttention``, which the
     schedule calls per chunk, so each chunk's core attention is checkpointed on its own (no
-    collective inside). Recompute of the norms or the MLP, and full recompute, wrap code that
-    Domino re-sequences.
+    collective inside). Full recompute checkpoints ranges of layers, each run as one Domino
+    step (:func:`megatron_domino.block.layer_groups`). Recompute of the norms or the MLP wraps
+    code that Domino re-sequences; full recompute with FP8 needs TE's own checkpoint.
     """
-    if granularity == "full":
+    if granularity == "full" and fp8:
         return [
-            "full activation recompute replays whole layers outside Domino's schedule; use "
-            "--recompute-granularity selective --recompute-modules core_attn, or drop "
-            "--recompute-*"
+            "full activation recompute with FP8 needs Transformer Engine's checkpoint, which "
+            "Domino does not use; use --recompute-granularity selective or drop --fp8-format"
         ]
     unsupported = sorted(set(modules) - {"core_attn"}) if granularity == "selective" else []
     if unsupported:
@@ -226,7 +226,9 @@ def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
             "sequence-parallel collectives always overlap in backward); drop one of them"
         )
     problems += recompute_problems(
-        model_config.recompute_granularity, model_config.recompute_modules or ()
+        model_config.recompute_granularity,
+        model_config.recompute_modules or (),
+        fp8=bool(model_config.fp8),
     )
     linears = [module for layer in block.layers for module in _tp_linears(layer).values()]
     if any(is_te_linear(module) for module in linears):

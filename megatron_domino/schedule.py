@@ -193,12 +193,20 @@ def run_wavefront(
 
 
 def run_layers(
-    runtime: DominoRuntime, layers, chunks: list[ChunkState], attention_kwargs: dict
+    runtime: DominoRuntime,
+    layers,
+    chunks: list[ChunkState],
+    attention_kwargs: dict,
+    *,
+    first_index: int = 0,
 ) -> None:
-    """Run all ``layers`` on ``chunks`` (in place), one segment or one per layer."""
+    """Run all ``layers`` on ``chunks`` (in place), one segment or one per layer.
+
+    ``first_index`` is the block position of ``layers[0]`` (for labels).
+    """
     inter_layer = runtime.config.inter_layer
     segments: list[list[LayerOps]] = []
-    for index, layer in enumerate(layers):
+    for index, layer in enumerate(layers, start=first_index):
         previous = segments[-1][-1] if inter_layer and segments else None
         ops = LayerOps(runtime, layer, index, attention_kwargs, previous)
         if previous is None:

@@ -7,8 +7,8 @@ On two gloo ranks (TP = 2), using the patched script's own ``extra_args_provider
 2. the model built with ``--domino`` has Domino bound to its transformer block, and its loss and
    gradients match the model built without ``--domino`` from the same weights;
 3. the patch refuses a micro-batch that ``--domino-chunks`` does not divide before building
-   anything, and ``apply_domino`` (through the patch) refuses full activation recompute right
-   after the model is built.
+   anything, and ``apply_domino`` (through the patch) refuses selective recompute of the MLP
+   right after the model is built.
 
     MLM=/path/to/patched/Megatron-LM PYTHONPATH=$MLM python patches/cpu_smoke.py
 
@@ -124,16 +124,14 @@ def on_rank():
     )
     refusals = [
         (
-            "full recompute refused",
+            "MLP recompute refused",
             [
                 "--transformer-impl",
                 "local",
                 "--recompute-granularity",
-                "full",
-                "--recompute-method",
-                "uniform",
-                "--recompute-num-layers",
-                "1",
+                "selective",
+                "--recompute-modules",
+                "mlp",
                 "--domino",
             ],
             DominoUnsupportedError,
@@ -165,7 +163,7 @@ def main() -> int:
         and abs(r["loss stock / domino"][0] - r["loss stock / domino"][1]) < 1e-5
         and r["max |grad diff|"] < 1e-5
         and "NOT REFUSED"
-        not in (r["full recompute refused"], r["mbs 4 / --domino-chunks 3 refused"])
+        not in (r["MLP recompute refused"], r["mbs 4 / --domino-chunks 3 refused"])
         for r in reports
     )
     print("SMOKE OK" if ok else "SMOKE FAILED")

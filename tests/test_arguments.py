@@ -117,9 +117,21 @@ def test_layout_gives_data_parallel_size_and_gradient_accumulation():
         (["--pipeline-model-parallel-size", "4"], 4, "--num-layers 2 is not divisible"),
         (["--recompute-granularity", "full"], 2, "needs --recompute-method (uniform or block)"),
         (
-            [*TP2_DOMINO, *FULL_RECOMPUTE],
+            [
+                "--recompute-granularity",
+                "full",
+                "--recompute-method",
+                "uniform",
+                "--recompute-num-layers",
+                "3",
+            ],
             2,
-            "full activation recompute replays whole layers",
+            "--recompute-num-layers 3 does not divide the 2 layers",
+        ),
+        (
+            [*TE_DOMINO, "--sequence-parallel", "--fp8-format", "hybrid", *FULL_RECOMPUTE],
+            2,
+            "full activation recompute with FP8 needs",
         ),
         (
             [*TP2_DOMINO, "--recompute-granularity", "selective", "--recompute-modules", "mlp"],
@@ -148,7 +160,7 @@ def test_recompute_flags_reach_the_model_options():
     options = model_options(args, vocab_size=101)
     assert options.recompute_granularity == "selective"
     assert options.recompute_modules == ("core_attn",)
-    full = model_options(parsed(*FULL_RECOMPUTE), vocab_size=101)  # valid without --domino
+    full = model_options(parsed(*FULL_RECOMPUTE, *TP2_DOMINO), vocab_size=101)
     assert (full.recompute_granularity, full.recompute_method) == ("full", "uniform")
     assert full.recompute_num_layers == 1
 

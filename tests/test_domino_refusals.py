@@ -32,7 +32,6 @@ REFUSED = [
     ("tp_comm_overlap", True, "userbuffer"),
     ("enable_cuda_graph", True, "CUDA graphs"),
     ("cuda_graph_impl", "local", "CUDA graphs"),
-    ("recompute_granularity", "full", "activation recompute"),
     ("overlap_moe_expert_parallel_comm", True, "combined-1F1B"),
     ("fp8", "hybrid", "FP8 runs only in Transformer Engine layers"),
     ("fp4", "nvfp4", "FP4 is not supported"),

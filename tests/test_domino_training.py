@@ -16,8 +16,9 @@ Cases (tiny GPT: 2 layers, hidden 64, 4 heads, sequence 32):
   Domino ``--domino-chunks 2``.
 * ``tp2-dp2-overlap-grad-reduce``: TP = 2 x DP = 2 (4 ranks), ``--overlap-grad-reduce``,
   micro-batch 2, global batch 8 (2 accumulation steps, so DDP's ``no_sync`` matters),
-  LayerNorm + GeLU + learned positions + biases; Domino ``--domino-chunks 2
-  --domino-column-chunks 2``.
+  LayerNorm + GeLU + learned positions + biases, full activation recompute of every layer
+  (``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``);
+  Domino ``--domino-chunks 2 --domino-column-chunks 2``.
 * ``tp2-dp2-distributed-optimizer``: TP = 2 x DP = 2, ``--use-distributed-optimizer``,
   micro-batch 4, global batch 8, the RMSNorm/SwiGLU/RoPE/GQA model with untied output
   weights and selective recompute of the core attention (``--recompute-activations``);
@@ -104,7 +105,11 @@ CASES = {
     ),
     "tp2-dp2-overlap-grad-reduce": Case(
         nproc=4,
-        flags=["--micro-batch-size", "2", "--global-batch-size", "8", "--overlap-grad-reduce"],
+        flags=[
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--overlap-grad-reduce",
+            "--recompute-granularity", "full", "--recompute-method", "uniform",
+            "--recompute-num-layers", "1",
+        ],
         chunks=2, column_chunks=2, rtol=FP32_RTOL,
     ),
     "tp2-dp2-distributed-optimizer": Case(

@@ -287,7 +287,7 @@ def _add_recompute_args(parser: argparse.ArgumentParser) -> None:
         choices=RECOMPUTE_GRANULARITIES,
         default=None,
         help="selective: recompute --recompute-modules in backward; full: whole layers "
-        "(needs --recompute-method and --recompute-num-layers; not with --domino).",
+        "(needs --recompute-method and --recompute-num-layers).",
     )
     group.add_argument(
         "--recompute-modules",
@@ -530,6 +530,13 @@ class Layout:
                 f"--num-layers {args.num_layers} is not divisible by "
                 f"--pipeline-model-parallel-size {pp}: every stage holds the same number of "
                 "layers."
+            )
+        k = args.recompute_num_layers
+        if args.recompute_method == "uniform" and k and (args.num_layers // pp) % k:
+            raise ArgumentsError(
+                f"--recompute-num-layers {k} does not divide the {args.num_layers // pp} layers "
+                "of each pipeline stage: uniform recompute checkpoints groups of that many "
+                "layers. Pick a divisor, or --recompute-method block."
             )
         if args.sequence_parallel and tp < 2:
             raise ArgumentsError(
@@ -789,7 +796,9 @@ def _check_domino(args: argparse.Namespace) -> None:
             "has none: use TP >= 2 or drop --domino."
         )
     problems = recompute_problems(
-        recompute_granularity(args), args.recompute_modules or ("core_attn",)
+        recompute_granularity(args),
+        args.recompute_modules or ("core_attn",),
+        fp8=args.fp8_format is not None,
     )
     if problems:
         raise ArgumentsError("--domino: " + "; ".join(problems))
