@@ -20,6 +20,7 @@ import dataclasses
 import pytest
 import torch
 from multiproc import run_on_ranks
+from tiny_models import LLAMA_STYLE, TINY
 
 from megatron_domino.config import DominoConfig
 from megatron_domino.equivalence import (
@@ -33,24 +34,12 @@ from megatron_domino.integration import apply_domino
 
 MICRO_BATCH = 4
 
-_TINY = dict(
-    num_layers=2,
-    hidden_size=64,
-    seq_length=16,
-    vocab_size=300,
-    attention_dropout=0.0,
-    hidden_dropout=0.0,
-)
+LAYERS = 2
 MODELS = {
-    "layernorm-gelu-learned-bias-mha": GPTOptions(**_TINY, num_attention_heads=8),
+    "layernorm-gelu-learned-bias-mha": GPTOptions(num_layers=LAYERS, **TINY, num_attention_heads=8),
     "rmsnorm-swiglu-rope-gqa-nobias": GPTOptions(
-        **_TINY,
-        num_attention_heads=8,
-        num_query_groups=4,
-        ffn_hidden_size=96,
-        normalization="RMSNorm",
-        swiglu=True,
-        position_embedding_type="rope",
+        num_layers=LAYERS,
+        **LLAMA_STYLE,
         add_bias_linear=False,
         untie_embeddings_and_output_weights=True,
     ),
@@ -95,7 +84,7 @@ def test_every_setting_matches_stock_megatron_at_tp2():
     for (model_name, setting), row in reports[0].items():
         # Two linears with an input-gradient all-reduce per layer and chunk.
         chunks = SETTINGS[setting].get("chunks", 2)
-        expected = 0 if setting == "p2-no-backward-overlap" else 2 * _TINY["num_layers"] * chunks
+        expected = 0 if setting == "p2-no-backward-overlap" else 2 * LAYERS * chunks
         assert row.dgrad_slots == expected, (model_name, setting)
     for model_name in MODELS:
         rows = [row for (name, _), row in reports[0].items() if name == model_name]

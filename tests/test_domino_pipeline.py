@@ -23,6 +23,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from multiproc import run_on_ranks
+from tiny_models import LLAMA_STYLE
 
 from megatron_domino.config import DominoConfig
 from megatron_domino.equivalence import token_batch, tolerance_for
@@ -31,20 +32,7 @@ from megatron_domino.integration import apply_domino
 
 MICRO_BATCHES = 3
 MICRO_BATCH = 4
-OPTIONS = GPTOptions(
-    num_layers=4,
-    hidden_size=64,
-    num_attention_heads=8,
-    num_query_groups=4,
-    ffn_hidden_size=96,
-    seq_length=16,
-    vocab_size=300,
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    attention_dropout=0.0,
-    hidden_dropout=0.0,
-)
+OPTIONS = GPTOptions(num_layers=4, **LLAMA_STYLE)
 
 
 def _forward_step(data_iterator, model):

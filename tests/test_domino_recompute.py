@@ -26,6 +26,7 @@ import pytest
 import torch
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from multiproc import run_on_ranks
+from tiny_models import TINY
 
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
 from megatron_domino.equivalence import (
@@ -40,9 +41,7 @@ from megatron_domino.integration import apply_domino
 
 LAYERS = 4
 CHUNKS = 2
-MODEL = dict(
-    num_layers=LAYERS, hidden_size=64, num_attention_heads=4, seq_length=16, vocab_size=300
-)
+MODEL = dict(num_layers=LAYERS, **TINY, num_attention_heads=4)
 #: setting -> (GPTOptions recompute fields, layers whose core attention is recomputed)
 RECOMPUTE = {
     "selective-core-attn": (dict(recompute_granularity="selective"), LAYERS),
@@ -63,7 +62,9 @@ RECOMPUTE = {
 
 def _options(setting: str, dropout: float) -> GPTOptions:
     fields, _ = RECOMPUTE[setting]
-    return GPTOptions(**MODEL, **fields, attention_dropout=dropout, hidden_dropout=dropout)
+    return GPTOptions(
+        **{**MODEL, **fields, "attention_dropout": dropout, "hidden_dropout": dropout}
+    )
 
 
 def _against_stock(setting: str) -> dict:

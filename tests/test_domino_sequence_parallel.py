@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 from multiproc import run_on_ranks
+from tiny_models import LLAMA_STYLE, TINY
 
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
 from megatron_domino.equivalence import (
@@ -34,30 +35,10 @@ from megatron_domino.schedule_checks import count_mismatches, overlap_violations
 LAYERS = 2
 MODELS = {
     "layernorm-gelu-learned": GPTOptions(
-        num_layers=LAYERS,
-        hidden_size=64,
-        num_attention_heads=4,
-        seq_length=16,
-        vocab_size=300,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        sequence_parallel=True,
+        num_layers=LAYERS, **TINY, num_attention_heads=4, sequence_parallel=True
     ),
     "rmsnorm-swiglu-rope-gqa": GPTOptions(
-        num_layers=LAYERS,
-        hidden_size=64,
-        num_attention_heads=8,
-        num_query_groups=4,
-        ffn_hidden_size=96,
-        seq_length=16,
-        vocab_size=300,
-        normalization="RMSNorm",
-        swiglu=True,
-        position_embedding_type="rope",
-        add_bias_linear=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-        sequence_parallel=True,
+        num_layers=LAYERS, **LLAMA_STYLE, add_bias_linear=False, sequence_parallel=True
     ),
 }
 SETTINGS = {

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from multiproc import run_on_ranks
 from te_stand_in import FP8_CONTEXT_DEPTH, stand_in_linears, stand_in_te_layer_spec
+from tiny_models import LLAMA_STYLE
 
 import megatron_domino.block
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
@@ -44,20 +45,7 @@ from megatron_domino.recorder import EventRecorder
 from megatron_domino.schedule_checks import count_mismatches, overlap_violations
 
 LAYERS = 2
-MODEL = dict(
-    num_layers=LAYERS,
-    hidden_size=64,
-    num_attention_heads=8,
-    num_query_groups=4,
-    ffn_hidden_size=96,
-    seq_length=16,
-    vocab_size=300,
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    attention_dropout=0.0,
-    hidden_dropout=0.0,
-)
+MODEL = dict(num_layers=LAYERS, **LLAMA_STYLE)
 #: (sequence parallel, setting name) -> Domino settings. Without SP, TE keeps its backward
 #: all-reduce, so backward overlap must be off (see te_problems).
 SETTINGS = {

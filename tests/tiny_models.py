@@ -1,0 +1,21 @@
+"""Tiny GPT shapes shared by the multi-rank Domino tests (fp32 by default, dropout off, so two
+runs of the same arithmetic compare to rounding).
+
+* :data:`TINY`: hidden 64, sequence 16, vocabulary 300; with GPTOptions' defaults (LayerNorm,
+  GeLU, learned positions, biases) the GPT-3 flavour.
+* :data:`LLAMA_STYLE`: :data:`TINY` with RMSNorm, SwiGLU (FFN 96), rotary positions and
+  grouped-query attention (8 heads, 4 key/value groups).
+"""
+
+TINY = dict(
+    hidden_size=64, seq_length=16, vocab_size=300, attention_dropout=0.0, hidden_dropout=0.0
+)
+LLAMA_STYLE = dict(
+    TINY,
+    num_attention_heads=8,
+    num_query_groups=4,
+    ffn_hidden_size=96,
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+)
