@@ -1,4 +1,4 @@
-"""Domino's ``TransformerBlock.forward``: split the batch, run the schedule, join, final norm.
+"""Domino's ``TransformerBlock.forward``: split into chunks, run the schedule, join, final norm.
 
 It replaces the stock forward of one block instance (see :mod:`megatron_domino.integration`)
 and keeps its contract: hidden states ``[s, b, h]`` in, ``[s, b, h]`` out after the final
@@ -26,12 +26,14 @@ from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
-from megatron_domino.config import DominoConfigError, DominoUnsupportedError
+from megatron_domino.chunking import join_chunks, make_chunks
+from megatron_domino.config import DominoUnsupportedError
 from megatron_domino.schedule import run_layers
-from megatron_domino.state import ChunkState, DominoRuntime
+from megatron_domino.state import DominoRuntime
 
-#: Keyword arguments of the stock forward passed to every chunk's attention unchanged.
-SHARED_ATTENTION_ARGS = ("rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin")
+#: Keyword arguments of the stock forward passed on to every layer's self-attention (sliced
+#: per chunk by :mod:`megatron_domino.chunking` where they are per sample or per token).
+ATTENTION_ARGS = ("attention_bias", "rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin")
 #: Keyword arguments Domino accepts but that do not matter for dense GPT training.
 IGNORED_ARGS = ("padding_mask", "dynamic_inference_decode_only")
 
@@ -58,21 +60,9 @@ def domino_block_forward(
         hidden_states = block.input_tensor
     hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
 
-    p = runtime.config.chunks
-    batch = hidden_states.shape[1]
-    if batch % p:
-        raise DominoConfigError(
-            f"Micro-batch size {batch} is not divisible by --domino-chunks {p}; use a "
-            "micro-batch that is a multiple of the chunk count."
-        )
-    run_group = functools.partial(
-        _run_group,
-        block,
-        runtime,
-        attention_mask=attention_mask,
-        attention_bias=kwargs.get("attention_bias"),
-        attention_kwargs={name: kwargs.get(name) for name in SHARED_ATTENTION_ARGS},
-    )
+    attention_inputs = {"attention_mask": attention_mask}
+    attention_inputs |= {name: kwargs[name] for name in ATTENTION_ARGS if name in kwargs}
+    run_group = functools.partial(_run_group, block, runtime, attention_inputs=attention_inputs)
     # Under sequence parallelism each rank holds other tokens, so hidden dropout draws from
     # the tensor-parallel RNG stream, as in the stock forward.
     rng = get_cuda_rng_tracker().fork() if runtime.sequence_parallel else contextlib.nullcontext()
@@ -120,40 +110,21 @@ def _run_group(
     *,
     first: int,
     last: int,
-    attention_mask: torch.Tensor | None,
-    attention_bias: torch.Tensor | None,
-    attention_kwargs: dict,
+    attention_inputs: dict,
 ) -> torch.Tensor:
     """Layers ``first..last-1`` on ``hidden_states`` ``[s, b, h]``, as one Domino step.
 
-    Splits the batch into the chunks, runs the schedule, and joins them again; called again
+    Splits the input into the chunks, runs the schedule, and joins them again; called again
     with the same input when a recomputed range is replayed in backward.
     """
-    p, batch = runtime.config.chunks, hidden_states.shape[1]
-    chunks = [
-        ChunkState(
-            index=c,
-            hidden=hidden.contiguous(),
-            attention_mask=_chunk_of(attention_mask, c, p, batch),
-            attention_bias=_chunk_of(attention_bias, c, p, batch),
-        )
-        for c, hidden in enumerate(hidden_states.chunk(p, dim=1))
-    ]
+    chunks = make_chunks(hidden_states, runtime.config, attention_inputs)
     with runtime.new_step(chunks):
-        run_layers(runtime, block.layers[first:last], chunks, attention_kwargs, first_index=first)
-        return torch.cat([chunk.hidden for chunk in chunks], dim=1)
-
-
-def _chunk_of(tensor: torch.Tensor | None, chunk: int, chunks: int, batch: int):
-    """Chunk ``chunk``'s samples of a per-sample tensor ``[b, ...]``; shared tensors as is."""
-    if tensor is None or tensor.shape[0] != batch or batch == 1:
-        return tensor
-    size = batch // chunks
-    return tensor[chunk * size : (chunk + 1) * size]
+        run_layers(runtime, block.layers[first:last], chunks, first_index=first)
+        return join_chunks(chunks, runtime.config)
 
 
 def _refuse_unsupported_arguments(kwargs: dict) -> None:
-    supported = set(SHARED_ATTENTION_ARGS) | set(IGNORED_ARGS) | {"attention_bias"}
+    supported = set(ATTENTION_ARGS) | set(IGNORED_ARGS)
     used = sorted(
         name for name, value in kwargs.items() if value is not None and name not in supported
     )

@@ -25,18 +25,18 @@ class DominoConfig:
     """How Domino slices each transformer layer's work to hide tensor-parallel collectives.
 
     A layer's input ``[s, b, h]`` is split along ``b`` into ``chunks`` row chunks of
-    ``[s, b/p, h]``; each row-parallel GEMM (attention output projection, MLP fc2) is further
-    split along its output dimension ``h`` into ``column_chunks`` pieces of width ``h/k``.
-    Every chunk and piece launches its own all-reduce, which flies while another chunk or
-    piece computes.
+    ``[s, b/p, h]`` (or, with ``split="sequence"``, along ``s`` into ``[s/p, b, h]``); each
+    row-parallel GEMM (attention output projection, MLP fc2) is further split along its output
+    dimension ``h`` into ``column_chunks`` pieces of width ``h/k``. Every chunk and piece
+    launches its own all-reduce, which flies while another chunk or piece computes.
     """
 
     chunks: int = field(
         default=2,
         metadata={
             "flag": "--domino-chunks",
-            "help": "p: split the micro-batch dimension b of each layer's input into p "
-            "independent chunks; must divide --micro-batch-size.",
+            "help": "p: split each layer's input into p chunks along --domino-split; must "
+            "divide --micro-batch-size (batch) or --seq-length (sequence).",
         },
     )
     column_chunks: int = field(
@@ -46,6 +46,17 @@ class DominoConfig:
             "help": "k: split the output dimension h of each row-parallel GEMM into k pieces "
             "whose all-reduces overlap the next piece's GEMM; works at micro-batch 1 and "
             "combines with --domino-chunks; must divide --hidden-size.",
+        },
+    )
+    split: str = field(
+        default="batch",
+        metadata={
+            "flag": "--domino-split",
+            "choices": ("batch", "sequence"),
+            "help": "What the chunks split: batch (samples; independent chunks, needs a "
+            "micro-batch of at least p) or sequence (token ranges; chunk j attends to the keys "
+            "of chunks <= j, so it works at micro-batch 1; causal attention, Megatron's local "
+            "attention, no --sequence-parallel).",
         },
     )
     inter_layer: bool = field(
@@ -71,15 +82,32 @@ class DominoConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 flag = _field(name).metadata["flag"]
                 raise DominoConfigError(f"{flag} must be an integer >= 1, got {value!r}.")
+        choices = _field("split").metadata["choices"]
+        if self.split not in choices:
+            raise DominoConfigError(
+                f"--domino-split must be one of {', '.join(choices)}, got {self.split!r}."
+            )
         if self.chunks == 1 and self.column_chunks == 1:
             raise DominoConfigError(
                 "--domino-chunks 1 with --domino-column-chunks 1 leaves nothing to overlap: "
                 "use --domino-chunks >= 2 (micro-batch >= 2) or --domino-column-chunks >= 2."
             )
 
-    def check_shapes(self, *, micro_batch_size: int, hidden_size: int) -> None:
-        """Raise :class:`DominoConfigError` unless the model's shapes can be split as asked."""
-        if micro_batch_size % self.chunks:
+    def check_shapes(
+        self, *, micro_batch_size: int, hidden_size: int, seq_length: int | None = None
+    ) -> None:
+        """Raise :class:`DominoConfigError` unless the model's shapes can be split as asked.
+
+        ``seq_length`` is checked for the sequence split when given (else at the first step).
+        """
+        if self.split == "sequence":
+            if seq_length is not None and seq_length % self.chunks:
+                raise DominoConfigError(
+                    f"--seq-length {seq_length} is not divisible by --domino-chunks "
+                    f"{self.chunks}: with --domino-split sequence each chunk holds the same "
+                    "number of tokens. Pick a chunk count that divides the sequence length."
+                )
+        elif micro_batch_size % self.chunks:
             raise DominoConfigError(
                 f"--micro-batch-size {micro_batch_size} is not divisible by --domino-chunks "
                 f"{self.chunks}: each chunk must hold the same number of samples. Pick a "
@@ -111,8 +139,8 @@ def _field(name: str) -> dataclasses.Field:
 def add_domino_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--domino`` and one flag per :class:`DominoConfig` field to ``parser``.
 
-    Integer fields become ``--domino-<name> N``; boolean fields that default to True become
-    ``--no-domino-<name>`` switches. Values are validated when :meth:`DominoConfig.from_args`
+    Integer fields become ``--domino-<name> N``, fields with choices ``--domino-<name>
+    CHOICE``; boolean fields that default to True become ``--no-domino-<name>`` switches. Values are validated when :meth:`DominoConfig.from_args`
     builds the config, so an invalid value fails at start-up, not mid-run.
     """
     group = parser.add_argument_group("domino", "Hide tensor-parallel communication (Domino).")
@@ -130,6 +158,14 @@ def add_domino_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                 action="store_false",
                 default=f.default,
                 help=meta["help"],
+            )
+        elif "choices" in meta:
+            group.add_argument(
+                meta["flag"],
+                dest=f.name,
+                choices=meta["choices"],
+                default=f.default,
+                help=meta["help"] + f" Default: {f.default}.",
             )
         else:
             group.add_argument(

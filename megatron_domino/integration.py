@@ -16,6 +16,8 @@ import functools
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_block import TransformerBlock
@@ -25,6 +27,7 @@ from megatron_domino.block import domino_block_forward
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
 from megatron_domino.linears import column_parallel_forward, row_parallel_forward
 from megatron_domino.recorder import NULL_RECORDER, NullRecorder
+from megatron_domino.sequence_split import core_attention_forward
 from megatron_domino.state import DominoRuntime
 from megatron_domino.te_linears import (
     check_transformer_engine_version,
@@ -188,6 +191,12 @@ def apply_domino(
             if forward is not None:
                 linear.forward = functools.partial(forward, linear, runtime=runtime)
                 patched.append(linear)
+        if config.split == "sequence":
+            attention = layer.self_attention.core_attention
+            attention.forward = functools.partial(
+                core_attention_forward, attention, runtime=runtime
+            )
+            patched.append(attention)
     return DominoHandle(runtime, patched)
 
 
@@ -242,6 +251,8 @@ def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
             "FP8 runs only in Transformer Engine layers, and this model has Megatron's local "
             "linears; use --transformer-impl transformer_engine or drop --fp8-format"
         )
+    if config.split == "sequence":
+        problems += _sequence_split_problems(block)
     if model_config.hidden_size % config.column_chunks:
         problems.append(
             f"--hidden-size {model_config.hidden_size} is not divisible by "
@@ -253,6 +264,36 @@ def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
         raise DominoUnsupportedError(
             "Domino cannot run on this model:\n  - " + "\n  - ".join(dict.fromkeys(problems))
         )
+
+
+def _sequence_split_problems(block: TransformerBlock) -> list[str]:
+    """What the sequence split needs: token ranges of a causal sequence, attended by
+    Megatron-Core's local attention outside any checkpoint."""
+    config, problems = block.config, []
+    if config.sequence_parallel:
+        problems.append(
+            "--domino-split sequence cannot run with --sequence-parallel (which already shards "
+            "the tokens over the tensor-parallel ranks); use --domino-split batch"
+        )
+    if config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules:
+        problems.append(
+            "--domino-split sequence cannot replay a checkpointed core attention (its keys come "
+            "from other chunks); drop the selective recompute or use --domino-split batch"
+        )
+    for index, layer in enumerate(block.layers):
+        attention = getattr(layer, "self_attention", None)
+        core = getattr(attention, "core_attention", None)
+        if type(core).forward is not DotProductAttention.forward:
+            problems.append(
+                f"layer {index}: --domino-split sequence needs Megatron-Core's local "
+                f"DotProductAttention, not {type(core).__name__} (--transformer-impl local)"
+            )
+        elif attention.attn_mask_type != AttnMaskType.causal:
+            problems.append(
+                f"layer {index}: --domino-split sequence needs causal attention, not "
+                f"{attention.attn_mask_type.name}"
+            )
+    return problems
 
 
 def _layer_problems(layer: torch.nn.Module) -> list[str]:

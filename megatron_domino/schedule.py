@@ -56,7 +56,6 @@ class LayerOps:
         runtime: the model's Domino runtime (step state, settings, recorder).
         layer: the Megatron-Core layer whose submodules the ops call.
         index: the layer's 0-based position in the block (for labels).
-        attention_kwargs: rotary embeddings etc., shared by all chunks.
         previous: the layer before in the same segment, whose MLP all-reduce this layer's
             ``attention_norm`` finishes (inter-layer overlap); ``None`` for a segment's first.
     """
@@ -66,13 +65,11 @@ class LayerOps:
         runtime: DominoRuntime,
         layer: TransformerLayer,
         index: int,
-        attention_kwargs: dict,
         previous: LayerOps | None,
     ) -> None:
         self.runtime = runtime
         self.layer = layer
         self.index = index
-        self.attention_kwargs = attention_kwargs
         self.previous = previous
 
     def ops(self) -> list[tuple[str, Op]]:
@@ -96,12 +93,7 @@ class LayerOps:
         attention = self.layer.self_attention
         self._finish_gather(chunk)
         with self.runtime.acting_for(chunk, self.index, "attention", defer=attention.linear_proj):
-            attention(
-                chunk.linear_input,
-                attention_mask=chunk.attention_mask,
-                attention_bias=chunk.attention_bias,
-                **self.attention_kwargs,
-            )
+            attention(chunk.linear_input, **chunk.attention_inputs)
 
     def projection(self, sublayer: str, chunk: ChunkState) -> None:
         linear = (
@@ -196,7 +188,6 @@ def run_layers(
     runtime: DominoRuntime,
     layers,
     chunks: list[ChunkState],
-    attention_kwargs: dict,
     *,
     first_index: int = 0,
 ) -> None:
@@ -208,7 +199,7 @@ def run_layers(
     segments: list[list[LayerOps]] = []
     for index, layer in enumerate(layers, start=first_index):
         previous = segments[-1][-1] if inter_layer and segments else None
-        ops = LayerOps(runtime, layer, index, attention_kwargs, previous)
+        ops = LayerOps(runtime, layer, index, previous)
         if previous is None:
             segments.append([ops])
         else:

@@ -29,10 +29,13 @@ class ChunkState:
     """One row chunk's progress through the layer stack during one forward call.
 
     Attributes:
-        index: chunk number ``c`` in ``0..p-1``; the chunk holds samples ``[c*b/p, (c+1)*b/p)``.
-        hidden: residual stream ``[s, b/p, h]`` after the last finished sub-layer.
-        attention_mask: this chunk's slice of the mask (or the shared broadcast mask).
-        attention_bias: this chunk's slice of the attention bias, if any.
+        index: chunk number ``c`` in ``0..p-1``; the chunk holds samples ``[c*b/p, (c+1)*b/p)``
+            (or, with the sequence split, tokens ``[c*s/p, (c+1)*s/p)``).
+        hidden: residual stream ``[s, b/p, h]`` (``[s/p, b, h]``) after the last finished
+            sub-layer.
+        attention_inputs: keyword arguments of this chunk's self-attention calls: its slice
+            of the mask and attention bias, and the rotary embeddings (sliced to its tokens
+            under the sequence split).
         residual: residual input of the sub-layer in progress ``[s, b/p, h]``.
         linear_input: norm output ``[s, b/p, h]`` feeding the next column-parallel linear.
         dgrad_slot: backward all-reduce slot for that column-parallel linear.
@@ -47,8 +50,7 @@ class ChunkState:
 
     index: int
     hidden: torch.Tensor
-    attention_mask: torch.Tensor | None
-    attention_bias: torch.Tensor | None = None
+    attention_inputs: dict
     residual: torch.Tensor | None = None
     linear_input: torch.Tensor | None = None
     dgrad_slot: DgradReduceSlot | None = None
@@ -65,12 +67,15 @@ class StepState:
     ``active`` is the chunk whose op is running, in sub-layer ``sublayer`` (``attention`` or
     ``mlp``) of layer ``layer``; the patched linears act for it. During a core op the
     row-parallel linear ``deferred_module`` only records its input; during a projection op
-    (``deferred_module`` unset) it runs its GEMM and launches its all-reduce.
+    (``deferred_module`` unset) it runs its GEMM and launches its all-reduce. Under the
+    sequence split, ``key_values[layer]`` holds each earlier chunk's keys and values
+    ``[s/p, b, g/tp, d]`` (after rotary embedding), which later chunks attend to.
     """
 
     chunks: list[ChunkState]
     dgrad_slots: list[DgradReduceSlot] = field(default_factory=list)
     sequence_slots: list[SequenceCollective] = field(default_factory=list)
+    key_values: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     active: ChunkState | None = None
     layer: int = -1
     sublayer: str = ""
@@ -130,8 +135,9 @@ class DominoRuntime:
                 )
         finally:
             self.last_step, self.step = self.step, None
-            # The chunks hold activations: keep only the backward slots past this call.
+            # The chunks and cached keys hold activations: keep only the backward slots.
             self.last_step.chunks = []
+            self.last_step.key_values = {}
 
     @contextlib.contextmanager
     def acting_for(

@@ -24,6 +24,8 @@ Cases (tiny GPT: 2 layers, hidden 64, 4 heads, sequence 32):
   weights and selective recompute of the core attention (``--recompute-activations``);
   Domino ``--domino-chunks 4``.
 * ``tp2-ddp-accumulation-bf16``: the first case with ``--bf16``.
+* ``tp2-sequence-split-mb1``: TP = 2, micro-batch 1 (4 accumulation steps), the
+  RMSNorm/SwiGLU/RoPE/GQA model; Domino ``--domino-split sequence --domino-chunks 4``.
 * ``tp2-pp2``: TP = 2 x PP = 2 (4 ranks, one layer per stage), Megatron-Core's 1F1B schedule
   over 3 micro-batches of 4, the RMSNorm/SwiGLU/RoPE/GQA model; Domino ``--domino-chunks 2``.
 
@@ -87,6 +89,7 @@ class Case:
     column_chunks: int
     rtol: dict[str, float]
     """Largest relative difference allowed, by ``--log-json`` key."""
+    split: str = "batch"
 
     @property
     def domino_flags(self) -> list[str]:
@@ -94,6 +97,7 @@ class Case:
             "--domino",
             "--domino-chunks", str(self.chunks),
             "--domino-column-chunks", str(self.column_chunks),
+            "--domino-split", self.split,
         ]  # fmt: skip
 
 
@@ -125,6 +129,11 @@ CASES = {
         nproc=2,
         flags=[*MODERN_MODEL, "--micro-batch-size", "4", "--global-batch-size", "8", "--bf16"],
         chunks=2, column_chunks=1, rtol=BF16_RTOL,
+    ),
+    "tp2-sequence-split-mb1": Case(
+        nproc=2,
+        flags=[*MODERN_MODEL, "--micro-batch-size", "1", "--global-batch-size", "4"],
+        chunks=4, column_chunks=1, rtol=FP32_RTOL, split="sequence",
     ),
     "tp2-pp2": Case(
         nproc=4,
@@ -166,9 +175,11 @@ def test_domino_training_matches_the_baseline(tmp_path, mock_data_cache, name):
     baseline, baseline_output = arm([], name="baseline")
     domino, domino_output = arm(case.domino_flags, name="domino")
     assert "Domino: off" in baseline_output
-    assert f"Domino: DominoConfig(chunks={case.chunks}, column_chunks={case.column_chunks}," in (
-        domino_output
+    banner = (
+        f"Domino: DominoConfig(chunks={case.chunks}, column_chunks={case.column_chunks}, "
+        f"split='{case.split}',"
     )
+    assert banner in domino_output
     iterations = list(range(1, TRAIN_ITERS + 1))
     assert sorted(baseline) == iterations and sorted(domino) == iterations
 

@@ -784,7 +784,9 @@ def _check_domino(args: argparse.Namespace) -> None:
         config = DominoConfig.from_args(args)
         if config is not None:
             config.check_shapes(
-                micro_batch_size=args.micro_batch_size, hidden_size=args.hidden_size
+                micro_batch_size=args.micro_batch_size,
+                hidden_size=args.hidden_size,
+                seq_length=args.seq_length,
             )
     except DominoConfigError as err:
         raise ArgumentsError(str(err)) from err
