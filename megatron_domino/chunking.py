@@ -1,6 +1,6 @@
 """How a transformer block's input becomes Domino's chunks, and how they are joined again.
 
-Two splits (``DominoConfig.split``):
+Two splits (``DominoConfig.split_along``):
 
 * **batch** (the Domino paper's row split): ``[s, b, h]`` into ``p`` chunks ``[s, b/p, h]``.
   Samples never interact inside a transformer, so the chunks are independent; a per-sample
@@ -37,15 +37,15 @@ def make_chunks(
     Raises:
         DominoConfigError: the split dimension is not divisible by ``p``.
     """
-    p, dim = config.chunks, SPLIT_DIMS[config.split]
+    p, dim = config.chunks, SPLIT_DIMS[config.split_along]
     size = hidden_states.shape[dim]
     if size % p:
-        what = "Micro-batch size" if config.split == "batch" else "Sequence length"
+        what = "Micro-batch size" if config.split_along == "batch" else "Sequence length"
         raise DominoConfigError(
             f"{what} {size} is not divisible by --domino-chunks {p} (--domino-split "
-            f"{config.split}); use a chunk count that divides it."
+            f"{config.split_along}); use a chunk count that divides it."
         )
-    slicer = _batch_slice if config.split == "batch" else _sequence_slice
+    slicer = _batch_slice if config.split_along == "batch" else _sequence_slice
     return [
         ChunkState(
             index=c,
@@ -60,7 +60,7 @@ def make_chunks(
 
 def join_chunks(chunks: list[ChunkState], config: DominoConfig) -> torch.Tensor:
     """The chunks' residual streams put back together, ``[s, b, h]``."""
-    return torch.cat([chunk.hidden for chunk in chunks], dim=SPLIT_DIMS[config.split])
+    return torch.cat([chunk.hidden for chunk in chunks], dim=SPLIT_DIMS[config.split_along])
 
 
 def _batch_slice(name: str, tensor, c: int, p: int, batch: int):

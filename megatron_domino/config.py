@@ -25,7 +25,7 @@ class DominoConfig:
     """How Domino slices each transformer layer's work to hide tensor-parallel collectives.
 
     A layer's input ``[s, b, h]`` is split along ``b`` into ``chunks`` row chunks of
-    ``[s, b/p, h]`` (or, with ``split="sequence"``, along ``s`` into ``[s/p, b, h]``); each
+    ``[s, b/p, h]`` (or, with ``split_along="sequence"``, along ``s`` into ``[s/p, b, h]``); each
     row-parallel GEMM (attention output projection, MLP fc2) is further split along its output
     dimension ``h`` into ``column_chunks`` pieces of width ``h/k``. Every chunk and piece
     launches its own all-reduce, which flies while another chunk or piece computes.
@@ -48,7 +48,7 @@ class DominoConfig:
             "combines with --domino-chunks; must divide --hidden-size.",
         },
     )
-    split: str = field(
+    split_along: str = field(
         default="batch",
         metadata={
             "flag": "--domino-split",
@@ -82,10 +82,10 @@ class DominoConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 flag = _field(name).metadata["flag"]
                 raise DominoConfigError(f"{flag} must be an integer >= 1, got {value!r}.")
-        choices = _field("split").metadata["choices"]
-        if self.split not in choices:
+        choices = _field("split_along").metadata["choices"]
+        if self.split_along not in choices:
             raise DominoConfigError(
-                f"--domino-split must be one of {', '.join(choices)}, got {self.split!r}."
+                f"--domino-split must be one of {', '.join(choices)}, got {self.split_along!r}."
             )
         if self.chunks == 1 and self.column_chunks == 1:
             raise DominoConfigError(
@@ -100,7 +100,7 @@ class DominoConfig:
 
         ``seq_length`` is checked for the sequence split when given (else at the first step).
         """
-        if self.split == "sequence":
+        if self.split_along == "sequence":
             if seq_length is not None and seq_length % self.chunks:
                 raise DominoConfigError(
                     f"--seq-length {seq_length} is not divisible by --domino-chunks "

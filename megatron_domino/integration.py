@@ -191,7 +191,7 @@ def apply_domino(
             if forward is not None:
                 linear.forward = functools.partial(forward, linear, runtime=runtime)
                 patched.append(linear)
-        if config.split == "sequence":
+        if config.split_along == "sequence":
             attention = layer.self_attention.core_attention
             attention.forward = functools.partial(
                 core_attention_forward, attention, runtime=runtime
@@ -251,7 +251,7 @@ def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
             "FP8 runs only in Transformer Engine layers, and this model has Megatron's local "
             "linears; use --transformer-impl transformer_engine or drop --fp8-format"
         )
-    if config.split == "sequence":
+    if config.split_along == "sequence":
         problems += _sequence_split_problems(block)
     if model_config.hidden_size % config.column_chunks:
         problems.append(

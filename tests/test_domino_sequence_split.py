@@ -42,7 +42,9 @@ SETTINGS = {
 
 
 def _configs() -> dict[str, DominoConfig]:
-    return {name: DominoConfig(split="sequence", **kwargs) for name, kwargs in SETTINGS.items()}
+    return {
+        name: DominoConfig(split_along="sequence", **kwargs) for name, kwargs in SETTINGS.items()
+    }
 
 
 def _compare(micro_batch: int) -> dict:
@@ -91,7 +93,7 @@ def test_collectives_match_the_schedule_and_overlap():
 def _refused_with_sequence_parallel() -> str:
     options = GPTOptions(num_layers=LAYERS, **TINY, num_attention_heads=4, sequence_parallel=True)
     with pytest.raises(DominoUnsupportedError) as error:
-        apply_domino(build_gpt_model(options), DominoConfig(chunks=2, split="sequence"))
+        apply_domino(build_gpt_model(options), DominoConfig(chunks=2, split_along="sequence"))
     return str(error.value)
 
 

@@ -89,7 +89,7 @@ class Case:
     column_chunks: int
     rtol: dict[str, float]
     """Largest relative difference allowed, by ``--log-json`` key."""
-    split: str = "batch"
+    split_along: str = "batch"
 
     @property
     def domino_flags(self) -> list[str]:
@@ -97,7 +97,7 @@ class Case:
             "--domino",
             "--domino-chunks", str(self.chunks),
             "--domino-column-chunks", str(self.column_chunks),
-            "--domino-split", self.split,
+            "--domino-split", self.split_along,
         ]  # fmt: skip
 
 
@@ -133,7 +133,7 @@ CASES = {
     "tp2-sequence-split-mb1": Case(
         nproc=2,
         flags=[*MODERN_MODEL, "--micro-batch-size", "1", "--global-batch-size", "4"],
-        chunks=4, column_chunks=1, rtol=FP32_RTOL, split="sequence",
+        chunks=4, column_chunks=1, rtol=FP32_RTOL, split_along="sequence",
     ),
     "tp2-pp2": Case(
         nproc=4,
@@ -177,7 +177,7 @@ def test_domino_training_matches_the_baseline(tmp_path, mock_data_cache, name):
     assert "Domino: off" in baseline_output
     banner = (
         f"Domino: DominoConfig(chunks={case.chunks}, column_chunks={case.column_chunks}, "
-        f"split='{case.split}',"
+        f"split_along='{case.split_along}',"
     )
     assert banner in domino_output
     iterations = list(range(1, TRAIN_ITERS + 1))

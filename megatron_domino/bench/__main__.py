@@ -47,27 +47,39 @@ _MODEL = dict(
     attention_dropout=0.0,
     hidden_dropout=0.0,
 )
-CASES = {
-    "gpt-h1024": dict(model=_MODEL, micro_batch_size=4),
-    "llama-h1024": dict(
-        model=dict(
-            _MODEL,
-            normalization="RMSNorm",
-            swiglu=True,
-            position_embedding_type="rope",
-            num_query_groups=4,
-            add_bias_linear=False,
-            ffn_hidden_size=2816,
-        ),
-        micro_batch_size=4,
-    ),
-    "gpt-h1024-sp": dict(model=dict(_MODEL, sequence_parallel=True), micro_batch_size=4),
-}
+_LLAMA = dict(
+    _MODEL,
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    num_query_groups=4,
+    add_bias_linear=False,
+    ffn_hidden_size=2816,
+)
+#: Domino settings by name: ``p``/``k`` as in the flags; ``s<p>`` splits the sequence.
 SETTINGS = {
     "p2": dict(chunks=2),
     "p4": dict(chunks=4),
     "p2-k2": dict(chunks=2, column_chunks=2),
     "p1-k2": dict(chunks=1, column_chunks=2),
+    "s2": dict(chunks=2, split_along="sequence"),
+    "s4": dict(chunks=4, split_along="sequence"),
+}
+_BATCH_SETTINGS = ("p2", "p4", "p2-k2", "p1-k2")
+#: Each case runs the settings it lists that were asked for. ``llama-h1024-mb1`` has the
+#: other cases' 1024 tokens per micro-batch in one sample, where only the column split and the
+#: sequence split have something to split.
+CASES = {
+    "gpt-h1024": dict(model=_MODEL, micro_batch_size=4, settings=_BATCH_SETTINGS),
+    "llama-h1024": dict(model=_LLAMA, micro_batch_size=4, settings=_BATCH_SETTINGS),
+    "gpt-h1024-sp": dict(
+        model=dict(_MODEL, sequence_parallel=True), micro_batch_size=4, settings=_BATCH_SETTINGS
+    ),
+    "llama-h1024-mb1": dict(
+        model=dict(_LLAMA, seq_length=1024),
+        micro_batch_size=1,
+        settings=("p1-k2", "s2", "s4"),
+    ),
 }
 QUICK = dict(cases=["gpt-h1024"], settings=["p2", "p2-k2"], iters=5, warmup=1)
 
@@ -111,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         nargs="+",
         choices=sorted(SETTINGS),
         default=list(SETTINGS),
-        help="Domino settings to run for each shape.",
+        help="Domino settings to run (each shape runs those of them it lists).",
     )
     parser.add_argument(
         "--out-dir",
@@ -221,11 +233,9 @@ def main(argv=None) -> int:
         )
     cases = []
     for index, name in enumerate(args.cases, 1):
-        case = dict(
-            CASES[name],
-            tensor_model_parallel_size=2,
-            domino={s: SETTINGS[s] for s in args.settings},
-        )
+        case = {key: value for key, value in CASES[name].items() if key != "settings"}
+        chosen = [s for s in args.settings if s in CASES[name]["settings"]]
+        case |= dict(tensor_model_parallel_size=2, domino={s: SETTINGS[s] for s in chosen})
         print(f"[{index}/{len(args.cases)}] {name}: {case['model']}", flush=True)
         rate = None
         if shaped:
