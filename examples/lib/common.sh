@@ -176,6 +176,9 @@ and TOKENIZER_MODEL (a SentencePiece .model), e.g. from \
     DOMINO=${DOMINO:-0}
     DOMINO_CHUNKS=${DOMINO_CHUNKS:-2}
     DOMINO_COLUMN_CHUNKS=${DOMINO_COLUMN_CHUNKS:-1}
+    DOMINO_SPLIT=${DOMINO_SPLIT:-batch}
+    [[ $DOMINO_SPLIT == batch || $DOMINO_SPLIT == sequence ]] ||
+        recipe_die "DOMINO_SPLIT=$DOMINO_SPLIT must be batch or sequence."
     DOMINO_INTER_LAYER=${DOMINO_INTER_LAYER:-1}
     DOMINO_BACKWARD_OVERLAP=${DOMINO_BACKWARD_OVERLAP:-1}
     recipe_require_bool DOMINO DOMINO_INTER_LAYER DOMINO_BACKWARD_OVERLAP
@@ -317,7 +320,7 @@ $MICRO_BATCH_SIZE: use a micro-batch that is a multiple of it, or DOMINO_CHUNKS=
 DOMINO_COLUMN_CHUNKS=2 (or more) at micro-batch 1."
         fi
         DOMINO_ARGS=(--domino --domino-chunks "$DOMINO_CHUNKS"
-            --domino-column-chunks "$DOMINO_COLUMN_CHUNKS")
+            --domino-column-chunks "$DOMINO_COLUMN_CHUNKS" --domino-split "$DOMINO_SPLIT")
         ((DOMINO_INTER_LAYER)) || DOMINO_ARGS+=(--no-domino-inter-layer)
         ((DOMINO_BACKWARD_OVERLAP)) || DOMINO_ARGS+=(--no-domino-backward-overlap)
     fi
