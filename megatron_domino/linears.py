@@ -15,6 +15,9 @@ Domino schedule runs an op for a chunk; otherwise they call the stock ``forward`
 * :func:`column_parallel_forward` (``linear_qkv``, ``linear_fc1``): with backward overlap on,
   uses :func:`~megatron_domino.backward_overlap.column_linear_async_dgrad`, whose input
   gradient all-reduce is waited by the identity the schedule placed on the linear's input.
+
+Chunk shapes are written for the batch split, ``[s, b/p, h]``; under the sequence split
+read ``[s/p, b, h]``.
 """
 
 from __future__ import annotations

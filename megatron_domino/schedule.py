@@ -1,8 +1,11 @@
-"""The chunked schedule: a transformer block's forward as a wavefront over row chunks.
+"""The chunked schedule: a transformer block's forward as a wavefront over chunks.
 
-The block input ``[s, b, h]`` is split along ``b`` into ``p`` chunks ``[s, b/p, h]``. Samples
-never interact inside a transformer, so each chunk runs the layer stack on its own. Each
-layer is, per chunk, six ops that call Megatron-Core's own submodules:
+The block input ``[s, b, h]`` is split into ``p`` chunks (:mod:`megatron_domino.chunking`):
+along ``b`` into ``[s, b/p, h]`` (samples never interact inside a transformer, so each chunk
+runs the layer stack on its own), or along ``s`` into ``[s/p, b, h]`` (whose attention also
+reads the earlier chunks' keys, :mod:`megatron_domino.sequence_split`). Shapes below are
+written for the batch split. Each layer is, per chunk, six ops that call Megatron-Core's own
+submodules:
 
 =====================  =============================================================  =====
 op                     work (all on this chunk)                                       kind

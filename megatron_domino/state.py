@@ -2,11 +2,15 @@
 
 Communication handles never live in module globals. :class:`DominoRuntime` belongs to the
 handle returned by ``apply_domino`` and is shared by the patched modules of one model;
-each forward of the transformer block creates a :class:`StepState` holding one
-:class:`ChunkState` per row chunk, and drops it when the forward returns, after checking
+each forward of the transformer block (of each layer range, under full activation recompute,
+and again for its replay) creates a :class:`StepState` holding one :class:`ChunkState` per
+chunk, and drops it when the forward returns, after checking
 that no forward collective is still in flight. Backward all-reduces are owned by the
 :class:`DgradReduceSlot` s the step created; ``last_step`` keeps them so callers (tests, the
 overlap report) can check that a backward left nothing pending.
+
+Chunk shapes are written for the batch split, ``[s, b/p, h]``; under the sequence split
+read ``[s/p, b, h]``.
 """
 
 from __future__ import annotations
