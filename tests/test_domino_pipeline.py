@@ -5,7 +5,7 @@ stage, runs Megatron-Core's pipelined schedule (``get_forward_backward_func``: o
 in warm-up, then one-forward-one-backward) over three micro-batches with the stock block, then
 with Domino, and compares the per-micro-batch losses (last stage) and every gradient of its
 stage, without and with sequence parallelism (where the norms' gradients are per-rank
-partial sums in both runs, as in the single-stage SP tests). In 1F1B a stage runs the forward of micro-batch ``m + 1`` before the backward of
+partial sums in both runs, as in the single-stage SP tests), and with the sequence split. In 1F1B a stage runs the forward of micro-batch ``m + 1`` before the backward of
 ``m``, so Domino's backward collectives of one micro-batch are in flight across another's
 forward: they must belong to their own step, not to the model.
 
@@ -90,8 +90,9 @@ def _compare(settings: dict, sequence_parallel: bool) -> dict:
         (dict(chunks=4), False),
         (dict(chunks=2, column_chunks=2), False),
         (dict(chunks=2), True),
+        (dict(chunks=2, split_along="sequence"), False),
     ],
-    ids=["p2", "p4", "p2-k2", "p2-sequence-parallel"],
+    ids=["p2", "p4", "p2-k2", "p2-sequence-parallel", "s2-sequence-split"],
 )
 def test_pipelined_training_step_matches_stock(settings, sequence_parallel):
     results = run_on_ranks(
