@@ -9,8 +9,9 @@ Two splits (``DominoConfig.split_along``):
   attention works per token; under a causal mask, chunk ``c`` attends to the keys of chunks
   ``0..c`` only, which the wavefront schedule has computed before it (chunk ``c`` runs ``c``
   ops behind chunk 0; :mod:`megatron_domino.sequence_split` supplies them). So chunk ``c``
-  gets mask rows ``[c*s/p, (c+1)*s/p)`` against key columns ``[0, (c+1)*s/p)`` and its own
-  rows of the rotary embedding ``[s, 1, 1, d]``. This split works at micro-batch 1, where
+  gets mask rows ``[c*s/p, (c+1)*s/p)`` against key columns ``[0, (c+1)*s/p)`` (of the
+  causal mask, built here when the caller passes none) and its own rows of the rotary
+  embedding ``[s, 1, 1, d]``. This split works at micro-batch 1, where
   the batch split has nothing to split.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from megatron_domino.config import DominoConfig, DominoConfigError
+from megatron_domino.gpt_model import causal_attention_mask
 from megatron_domino.state import ChunkState
 
 #: The dimension of ``[s, b, h]`` each split cuts.
@@ -46,6 +48,10 @@ def make_chunks(
             f"{config.split_along}); use a chunk count that divides it."
         )
     slicer = _batch_slice if config.split_along == "batch" else _sequence_slice
+    if config.split_along == "sequence" and attention_inputs.get("attention_mask") is None:
+        # Megatron's default causal mask is square; chunk c's queries need rows of the full one.
+        mask = causal_attention_mask(size, hidden_states.device)
+        attention_inputs = {**attention_inputs, "attention_mask": mask}
     return [
         ChunkState(
             index=c,

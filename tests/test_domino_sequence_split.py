@@ -20,7 +20,13 @@ from multiproc import run_on_ranks
 from tiny_models import LLAMA_STYLE, TINY
 
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
-from megatron_domino.equivalence import compare_with_stock, token_batch, tolerance_for
+from megatron_domino.equivalence import (
+    compare_with_stock,
+    forward_backward,
+    max_abs_error,
+    token_batch,
+    tolerance_for,
+)
 from megatron_domino.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.integration import apply_domino
 from megatron_domino.overlap import collective_spans
@@ -88,6 +94,22 @@ def test_collectives_match_the_schedule_and_overlap():
         if config.inter_layer:
             violations = overlap_violations(spans[setting], config, sequence_parallel=False)
             assert not violations, (setting, violations[:3])
+
+
+def _without_a_mask() -> float:
+    """Domino's sequence split with no attention mask (Megatron then means causal) against the
+    same with the explicit causal mask."""
+    options = MODELS["rmsnorm-swiglu-rope-gqa"]
+    model = build_gpt_model(options)
+    batch = token_batch(options, 1)
+    with apply_domino(model, DominoConfig(chunks=4, split_along="sequence")):
+        explicit = forward_backward(model, batch)
+        implicit = forward_backward(model, {**batch, "attention_mask": None})
+    return max_abs_error(implicit, explicit)
+
+
+def test_a_missing_mask_means_causal():
+    assert run_on_ranks(_without_a_mask, 2)[0] == 0.0
 
 
 def _refused_with_sequence_parallel() -> str:
