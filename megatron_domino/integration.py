@@ -1,9 +1,9 @@
 """Apply Domino to a Megatron-Core GPT model, and take it off again.
 
 ``apply_domino(model, config)`` binds Domino's ``forward`` onto *instances* of the model's
-transformer block and of its layers' tensor-parallel linears (the classes stay untouched, so
-an unpatched model in the same process, e.g. the baseline of an A/B test, is unaffected). No
-parameter is created or replaced: the schedule calls the model's own submodules. The returned
+transformer block, of its layers' tensor-parallel linears and, under the sequence split, of
+their core attentions. The classes stay untouched, so an unpatched model in the same process
+(e.g. the baseline of an A/B test) is unaffected. No parameter is created or replaced: the schedule calls the model's own submodules. The returned
 :class:`DominoHandle` reverts exactly what was bound; applying twice raises, as does reverting
 twice. Everything Domino cannot run with is refused here, before the first step, with the
 reason and the fix: a silent fallback would turn an A/B comparison into baseline vs baseline.
@@ -156,7 +156,8 @@ def apply_domino(
     """Make ``model``'s transformer block run the Domino schedule.
 
     Args:
-        model: a Megatron-Core ``GPTModel`` built from the local layer spec, bare or wrapped
+        model: a Megatron-Core ``GPTModel`` (one pipeline stage or virtual-stage chunk of
+            it) built from the local or the Transformer Engine layer spec, bare or wrapped
             (DDP, Float16Module): its single ``TransformerBlock`` is found by type.
         config: the Domino settings.
         recorder: an :class:`~megatron_domino.recorder.EventRecorder` to record the schedule.
