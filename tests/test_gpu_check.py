@@ -84,15 +84,17 @@ def test_cpu_quick_run_writes_the_json_record(cpu_run):
     assert [c["setting"] for c in cases] == [
         "p2",
         "p2-k2",
+        "s2",
         "revert (plain)",
         "sp-p2",
         "revert (sp)",
     ]
     assert all(c["passed"] and c["max_error"] < 1e-6 for c in cases)
     # Two input-gradient all-reduces per layer and chunk (2 layers, p = 2) without SP.
-    assert [c["dgrad_slots"] for c in cases if c["setting"] in ("p2", "p2-k2")] == [8, 8]
+    assert [c["dgrad_slots"] for c in cases if c["setting"] in ("p2", "p2-k2", "s2")] == [8, 8, 8]
     overlap = {s["setting"]: s for s in by_name["overlap"]["details"]["settings"]}
     assert overlap["p2-k2"]["counts"] == {"bwd ar": 12, "fwd ar": 24}
+    assert overlap["s2"]["counts"] == {"bwd ar": 12, "fwd ar": 12}
     assert overlap["sp-p2"]["counts"] == {"bwd ag": 12, "bwd rs": 12, "fwd ag": 12, "fwd rs": 12}
     assert all(s["passed"] and s["timing"] == "wall clock" for s in overlap.values())
     rows = by_name["gemm"]["details"]["rows"]

@@ -19,7 +19,7 @@ from itertools import groupby
 __all__ = ["CASE_SETTINGS", "equivalence_rank", "merge_ranks", "plan"]
 
 #: Settings compared, by model kind (see :data:`megatron_domino.gpu_check.models.SETTINGS`).
-CASE_SETTINGS = ("p2", "p2-k2", "sp-p2")
+CASE_SETTINGS = ("p2", "p2-k2", "s2", "sp-p2")
 
 
 def plan(*, device: str, quick: bool) -> list[dict]:

@@ -37,6 +37,7 @@ SETTINGS: dict[str, tuple[dict, bool]] = {
     "p2-k2": (dict(chunks=2, column_chunks=2), False),
     "p1-k2": (dict(chunks=1, column_chunks=2), False),
     "sp-p2": (dict(chunks=2), True),
+    "s2": (dict(chunks=2, split_along="sequence"), False),
 }
 
 #: The collectives a model needs, by sequence parallelism (Domino's and Megatron-Core's own:
