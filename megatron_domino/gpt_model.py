@@ -291,9 +291,9 @@ def _require_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def transformer_config(
-    options: GPTOptions, *, tensor_model_parallel_size: int
+    options: GPTOptions, *, tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1
 ) -> TransformerConfig:
-    """Megatron-Core's ``TransformerConfig`` for ``options`` at the given TP size.
+    """Megatron-Core's ``TransformerConfig`` for ``options`` at the given TP and PP sizes.
 
     Fusions: on the CPU, Apex and TE kernels do not exist, so all are off. With CUDA, the
     bias-activation, bias-dropout-add and masked-softmax fusions are on for the TE
@@ -302,7 +302,6 @@ def transformer_config(
     on every weight, and ``persist_layer_norm`` because it needs Apex.
     """
     options.check_tensor_parallel(tensor_model_parallel_size)
-    pipeline_stages = parallel_state.get_pipeline_model_parallel_world_size()
     cuda = torch.cuda.is_available()
     fused = cuda and options.transformer_impl == "transformer_engine"
     dtype = torch.bfloat16 if options.bf16 else torch.float32
@@ -322,8 +321,8 @@ def transformer_config(
         bf16=options.bf16,
         params_dtype=dtype,
         tensor_model_parallel_size=tensor_model_parallel_size,
-        pipeline_model_parallel_size=pipeline_stages,
-        pipeline_dtype=dtype if pipeline_stages > 1 else None,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        pipeline_dtype=dtype if pipeline_model_parallel_size > 1 else None,
         sequence_parallel=options.sequence_parallel,
         recompute_granularity=options.recompute_granularity,
         recompute_modules=list(options.recompute_modules),
@@ -397,7 +396,11 @@ def build_gpt_model(options: GPTOptions, *, spec: ModuleSpec | None = None) -> G
     not wrapped in ``Float16Module`` or DDP; the training loop does that.
     """
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    config = transformer_config(options, tensor_model_parallel_size=tp)
+    config = transformer_config(
+        options,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+    )
     return GPTModel(
         config=config,
         transformer_layer_spec=_block_spec(options, spec or layer_spec(options), config),

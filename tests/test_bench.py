@@ -10,6 +10,7 @@ import json
 import math
 
 from multiproc import run_on_ranks
+from tiny_models import TINY
 
 from megatron_domino.bench.metrics import ROW_FIELDS, setting_rows
 from megatron_domino.bench.report import write_artefacts
@@ -17,15 +18,7 @@ from megatron_domino.bench.report import write_artefacts
 CASE = {
     "tensor_model_parallel_size": 2,
     "micro_batch_size": 4,
-    "model": dict(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        seq_length=16,
-        vocab_size=300,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-    ),
+    "model": dict(num_layers=2, **TINY, num_attention_heads=4),
     "domino": {"p2": {"chunks": 2}, "p1-k2": {"chunks": 1, "column_chunks": 2}},
 }
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 from multiproc import run_on_ranks
+from tiny_models import TINY
 
 from megatron_domino.config import DominoConfig
 from megatron_domino.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
@@ -27,15 +28,7 @@ from megatron_domino.recorder import BEGIN, EventRecorder
 from megatron_domino.schedule_checks import count_mismatches, overlap_violations
 
 LAYERS = 3
-OPTIONS = GPTOptions(
-    num_layers=LAYERS,
-    hidden_size=64,
-    num_attention_heads=4,
-    seq_length=16,
-    vocab_size=300,
-    attention_dropout=0.0,
-    hidden_dropout=0.0,
-)
+OPTIONS = GPTOptions(num_layers=LAYERS, **TINY, num_attention_heads=4)
 SETTINGS = {
     "p2": dict(chunks=2),
     "p4": dict(chunks=4),

@@ -11,21 +11,14 @@ import pytest
 import torch
 from multiproc import run_on_ranks
 from packaging.version import Version
+from tiny_models import TINY
 
 from megatron_domino.config import DominoConfig, DominoConfigError, DominoUnsupportedError
 from megatron_domino.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
 from megatron_domino.integration import apply_domino
 from megatron_domino.version import UnsupportedMegatronVersion, check_megatron_core_version
 
-OPTIONS = GPTOptions(
-    num_layers=2,
-    hidden_size=64,
-    num_attention_heads=4,
-    seq_length=16,
-    vocab_size=300,
-    attention_dropout=0.0,
-    hidden_dropout=0.0,
-)
+OPTIONS = GPTOptions(num_layers=2, **TINY, num_attention_heads=4)
 
 #: (TransformerConfig attribute, value that must be refused, words the message must contain)
 REFUSED = [
