@@ -47,6 +47,7 @@ __all__ = [
     "LaunchEnv",
     "destroy_distributed",
     "detect_launch",
+    "export_torchrun_environment",
     "init_distributed",
 ]
 
@@ -137,6 +138,31 @@ def detect_launch(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         local_rank=0,
         init_method=f"tcp://127.0.0.1:{_free_local_port()}",
     )
+
+
+def export_torchrun_environment(environ: dict[str, str] | None = None) -> LaunchEnv:
+    """Set the variables torchrun would set, for a launch that was not torchrun.
+
+    Megatron-LM's ``initialize_megatron`` reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+    rendezvouses through ``env://`` (``MASTER_ADDR``, ``MASTER_PORT``). Under ``srun`` with a
+    task per GPU they come from SLURM's variables (see :func:`detect_launch`); a plain
+    ``python`` run is rank 0 of 1 on a free local port. Under torchrun nothing changes.
+
+    Args:
+        environ: the environment to read and update; ``os.environ`` by default.
+    """
+    environ = os.environ if environ is None else environ
+    launch = detect_launch(environ)
+    if launch.launcher != "torchrun":
+        address, port = launch.init_method.removeprefix("tcp://").rsplit(":", 1)
+        environ.update(
+            RANK=str(launch.rank),
+            WORLD_SIZE=str(launch.world_size),
+            LOCAL_RANK=str(launch.local_rank),
+            MASTER_ADDR=address,
+            MASTER_PORT=port,
+        )
+    return launch
 
 
 def _check_parallel_sizes(world_size: int, tensor_model_parallel_size: int) -> None:

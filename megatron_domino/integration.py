@@ -214,22 +214,22 @@ def _column_forward(linear: torch.nn.Module, runtime: DominoRuntime):
     return column_parallel_forward if runtime.config.backward_overlap else None
 
 
-def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
-    """Raise one :class:`DominoUnsupportedError` listing every reason Domino cannot run."""
-    model_config = block.config
+def config_problems(model_config, config: DominoConfig, *, tp_size: int) -> list[str]:
+    """Why Domino cannot run with this ``TransformerConfig`` at this TP size (empty if it can).
+
+    These checks need no model, so a training script runs them on its parsed flags, before
+    anything is built or written; :func:`apply_domino` runs them again on the built model.
+    """
     problems = [
         reason
         for name, refused, reason in _REFUSED_FEATURES
         if refused(getattr(model_config, name, None))
     ]
-    tp_size = block.layers[0].self_attention.linear_proj.tp_group.size() if block.layers else 1
     if tp_size < 2:
         problems.append(
             "tensor-model-parallel size is 1, so there is no tensor-parallel "
             "communication to hide; use --tensor-model-parallel-size >= 2 or drop --domino"
         )
-    if not block.layers:
-        problems.append("the block has no layers")
     if model_config.sequence_parallel and not config.backward_overlap:
         problems.append(
             "--no-domino-backward-overlap is not supported with --sequence-parallel (the "
@@ -240,6 +240,29 @@ def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
         model_config.recompute_modules or (),
         fp8=bool(model_config.fp8),
     )
+    if model_config.hidden_size % config.column_chunks:
+        problems.append(
+            f"--hidden-size {model_config.hidden_size} is not divisible by "
+            f"--domino-column-chunks {config.column_chunks}"
+        )
+    return problems
+
+
+def raise_problems(problems: list[str]) -> None:
+    """Raise one :class:`DominoUnsupportedError` listing ``problems`` (if there are any)."""
+    if problems:
+        raise DominoUnsupportedError(
+            "Domino cannot run on this model:\n  - " + "\n  - ".join(dict.fromkeys(problems))
+        )
+
+
+def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
+    """Raise one :class:`DominoUnsupportedError` listing every reason Domino cannot run."""
+    model_config = block.config
+    tp_size = block.layers[0].self_attention.linear_proj.tp_group.size() if block.layers else 1
+    problems = config_problems(model_config, config, tp_size=tp_size)
+    if not block.layers:
+        problems.append("the block has no layers")
     linears = [module for layer in block.layers for module in _tp_linears(layer).values()]
     if any(is_te_linear(module) for module in linears):
         check_transformer_engine_version()
@@ -254,17 +277,9 @@ def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
         )
     if config.split_along == "sequence":
         problems += _sequence_split_problems(block)
-    if model_config.hidden_size % config.column_chunks:
-        problems.append(
-            f"--hidden-size {model_config.hidden_size} is not divisible by "
-            f"--domino-column-chunks {config.column_chunks}"
-        )
     for index, layer in enumerate(block.layers):
         problems += [f"layer {index}: {p}" for p in _layer_problems(layer)]
-    if problems:
-        raise DominoUnsupportedError(
-            "Domino cannot run on this model:\n  - " + "\n  - ".join(dict.fromkeys(problems))
-        )
+    raise_problems(problems)
 
 
 def _sequence_split_problems(block: TransformerBlock) -> list[str]:

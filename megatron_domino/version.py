@@ -2,51 +2,77 @@
 
 Domino re-sequences the submodule calls of Megatron-Core's ``TransformerLayer`` and takes
 over the collectives of its tensor-parallel linears, so it depends on the call structure of
-those classes. That structure changed between releases (e.g. the positional arguments of
+those classes. That structure changes between releases (e.g. the positional arguments of
 ``linear_with_grad_accumulation_and_async_allreduce`` between 0.16 and 0.19), so we refuse to
 run on a release we have not tested instead of producing wrong gradients silently.
+
+The version judged is the one of the ``megatron.core`` that Python imports
+(``megatron.core.package_info.__version__``), not the installed ``megatron-core``
+distribution's metadata: Megatron-LM users put a checkout on ``PYTHONPATH``, and then the
+code that runs is the checkout's, whatever wheel is installed beside it.
 """
 
 from __future__ import annotations
 
-from importlib import metadata
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 
-from packaging.version import Version
+#: The Megatron-Core releases megatron-domino is tested with: 0.19.2 (the wheel the test suite
+#: installs) and 0.19.1 (Megatron-LM's ``core_r0.19.0`` branch on ``PYTHONPATH``). A local
+#: version label (``0.19.1+ab12cd3``, what a git checkout reports) is accepted.
+TESTED_MEGATRON_CORE = SpecifierSet(">=0.19.1,<0.20")
 
-#: Inclusive lower and exclusive upper bound of the tested Megatron-Core releases.
-TESTED_MEGATRON_CORE = (Version("0.16.1"), Version("0.17"))
+#: The release ``make`` installs and the suite runs against (pinned in ``pyproject.toml``).
+PINNED_MEGATRON_CORE = "0.19.2"
+
+#: The last megatron-domino commit that supported megatron-core 0.16.x on Python 3.11.
+LAST_COMMIT_FOR_MEGATRON_CORE_0_16 = "53915d8"
 
 
 class UnsupportedMegatronVersion(RuntimeError):
-    """Raised when the installed Megatron-Core is outside :data:`TESTED_MEGATRON_CORE`."""
+    """Raised when the imported Megatron-Core is outside :data:`TESTED_MEGATRON_CORE`."""
 
 
-def installed_megatron_core_version() -> Version:
-    """Version of the installed ``megatron-core`` distribution."""
+def imported_megatron_core_version() -> Version:
+    """Version of the ``megatron.core`` package Python imports (a checkout's or a wheel's)."""
     try:
-        return Version(metadata.version("megatron-core"))
-    except metadata.PackageNotFoundError as err:
+        from megatron.core import package_info
+    except ImportError as err:
         raise UnsupportedMegatronVersion(
-            "megatron-core is not installed; install the tested release with "
-            f"`pip install 'megatron-core>={TESTED_MEGATRON_CORE[0]},<{TESTED_MEGATRON_CORE[1]}'`."
+            "megatron.core does not import; install the tested release with "
+            f"`pip install megatron-core=={PINNED_MEGATRON_CORE}` (Python >= 3.12)."
+        ) from err
+    try:
+        return Version(package_info.__version__)
+    except InvalidVersion as err:
+        raise UnsupportedMegatronVersion(
+            f"megatron.core at {package_info.__file__} reports version "
+            f"{package_info.__version__!r}, which is not a version number."
         ) from err
 
 
+def _where() -> str:
+    from megatron.core import package_info
+
+    return package_info.__file__.removesuffix("/package_info.py")
+
+
 def check_megatron_core_version(found: Version | None = None) -> Version:
-    """Raise :class:`UnsupportedMegatronVersion` unless the found release is tested.
+    """Raise :class:`UnsupportedMegatronVersion` unless the Megatron-Core that runs is tested.
 
     Args:
-        found: the version to check; defaults to the installed one (tests pass others).
+        found: the version to check; defaults to the imported ``megatron.core``'s own.
     Returns:
         The accepted version.
     """
-    found = installed_megatron_core_version() if found is None else found
-    low, high = TESTED_MEGATRON_CORE
-    if not (low <= found < high):
+    where = "" if found is not None else f" (imported from {_where()})"
+    found = imported_megatron_core_version() if found is None else found
+    if Version(found.public) not in TESTED_MEGATRON_CORE:
         raise UnsupportedMegatronVersion(
-            f"megatron-core {found} is installed, but megatron-domino is tested only with "
-            f">={low},<{high}. Install a tested release "
-            f"(`pip install 'megatron-core>={low},<{high}'`) or use a megatron-domino release "
-            "that lists yours."
+            f"megatron-core {found}{where} is not a release megatron-domino is tested with "
+            f"({TESTED_MEGATRON_CORE}). Install the tested release "
+            f"(`pip install megatron-core=={PINNED_MEGATRON_CORE}`), or put a Megatron-LM "
+            "checkout of branch core_r0.19.0 first on PYTHONPATH. For megatron-core 0.16.x use "
+            f"megatron-domino at commit {LAST_COMMIT_FOR_MEGATRON_CORE_0_16}."
         )
     return found

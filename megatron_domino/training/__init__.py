@@ -1,5 +1,9 @@
-"""GPT pretraining on Megatron-Core with Megatron-LM's flags (``pretrain_gpt_domino.py``).
+"""GPT pretraining with Megatron-LM's own loop, optionally with Domino (``pretrain_gpt_domino.py``).
 
-One concern per module: ``arguments`` (flags and their validation), ``flops`` (Megatron-LM's
-FLOP count), and the training loop, checkpointing and reporting modules it uses.
+Megatron-LM's ``pretrain()`` (from the ``megatron-core`` wheel's ``megatron.training``) runs
+everything: flags, initialisation, model, optimizer, DDP, schedules, checkpoints, logging.
+These modules only connect it: ``pretrain`` (the entry point), ``gpt_steps`` (the GPT
+callbacks Megatron-LM keeps in its repository's ``pretrain_gpt.py``), ``loop_runtime`` (what
+the loop needs from the wheel and without CUDA), ``loop_hooks`` and ``domino_report``
+(per-iteration records and the overlap report around the loop).
 """

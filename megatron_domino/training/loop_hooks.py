@@ -1,0 +1,160 @@
+"""Thin hooks around Megatron-LM's training loop for what it does not record itself.
+
+Megatron-LM logs every ``--log-interval`` iterations, averaging over the interval (and its
+second logged iteration shows the mean of the first two), so a comparison of two runs step
+by step needs a per-iteration source. The hooks wrap two functions the loop looks up in
+``megatron.training.training`` at call time, and change nothing they compute:
+
+* ``train_step``: with ``--log-json PATH``, one JSON line per optimizer step
+  (``{"kind": "train", "iteration", "loss", "grad_norm", "learning_rate", "skipped",
+  "seconds"}``); with ``--domino-report``, the steps of the reported iterations run with an
+  :class:`~megatron_domino.recorder.EventRecorder` in every model chunk's Domino runtime, and
+  the overlap report is printed after them (:mod:`.domino_report`);
+* ``evaluate`` (inside ``evaluate_and_print_results``, which names the set): with
+  ``--log-json``, ``{"kind": "validation", "iteration", "loss"}`` (``"test"`` for the test set).
+
+The loss is the one ``train_step`` returns: Megatron's token-weighted mean over the global
+batch, known on the last pipeline stage, so the last rank writes the file (it is on the last
+stage in Megatron's rank order). Seconds are measured around ``train_step`` after a device
+synchronisation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from megatron.training import training as megatron_training
+
+from megatron_domino.cpu_runtime import Patch
+
+__all__ = ["LoopHooks", "add_loop_hook_args"]
+
+
+def add_loop_hook_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--log-json`` and ``--domino-report`` (flags of this script, not Megatron-LM's)."""
+    group = parser.add_argument_group("megatron-domino logging")
+    group.add_argument(
+        "--log-json",
+        default=None,
+        metavar="PATH",
+        help="Append one JSON line per training iteration (loss, grad norm, learning rate, "
+        "seconds) and per evaluation to PATH, unaveraged, for step-by-step comparisons.",
+    )
+    group.add_argument(
+        "--domino-report",
+        action="store_true",
+        help="With --domino: record the collectives of a few iterations after the first and "
+        "print, per layer and direction, their in-flight, exposed and hidden time; totals go "
+        "to --log-json.",
+    )
+    group.add_argument(
+        "--domino-report-iters",
+        type=int,
+        default=3,
+        metavar="N",
+        help="How many iterations --domino-report records. Default: 3.",
+    )
+    return parser
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _is_last_rank() -> bool:
+    return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+
+
+class LoopHooks:
+    """The wrappers of ``train_step`` and ``evaluate`` for one run.
+
+    Args:
+        log_json: path of the JSON-lines file (``--log-json``), or ``None``.
+        domino_report: the overlap report (``--domino-report``), or ``None``.
+    """
+
+    def __init__(self, log_json: str | None, domino_report=None) -> None:
+        self._log_json = Path(log_json) if log_json else None
+        self._domino_report = domino_report
+        self._train_step = megatron_training.train_step
+        self._evaluate = megatron_training.evaluate
+        self._evaluate_and_print_results = megatron_training.evaluate_and_print_results
+        self._evaluating: tuple[str, int] | None = None
+
+    def patches(self) -> tuple[Patch, ...]:
+        return (
+            Patch(megatron_training, "train_step", self.train_step, "per-iteration records"),
+            Patch(megatron_training, "evaluate", self.evaluate, "validation records"),
+            Patch(
+                megatron_training,
+                "evaluate_and_print_results",
+                self.evaluate_and_print_results,
+                "names the evaluated set and iteration",
+            ),
+        )
+
+    def write(self, record: dict) -> None:
+        """Append ``record`` to ``--log-json`` (on the last rank only)."""
+        if self._log_json is None or not _is_last_rank():
+            return
+        self._log_json.parent.mkdir(parents=True, exist_ok=True)
+        with self._log_json.open("a") as log:
+            log.write(json.dumps(record) + "\n")
+
+    def train_step(self, *args, iteration: int | None = None, **kwargs):
+        """Megatron's ``train_step`` (``iteration`` steps done before it), recorded."""
+        step = iteration + 1
+        optimizer = args[3] if len(args) > 3 else kwargs["optimizer"]
+        learning_rate = optimizer.param_groups[0]["lr"]  # the one this step applies
+        recording = self._domino_report.recording if self._domino_report else None
+        _synchronize()
+        start = time.perf_counter()
+        if recording is not None:
+            with recording(step):
+                result = self._train_step(*args, iteration=iteration, **kwargs)
+        else:
+            result = self._train_step(*args, iteration=iteration, **kwargs)
+        _synchronize()
+        seconds = time.perf_counter() - start
+        loss_dict, skipped, grad_norm = result[0], result[1], result[5]
+        if "lm loss" in loss_dict:
+            self.write(
+                {
+                    "kind": "train",
+                    "iteration": step,
+                    "loss": float(loss_dict["lm loss"]),
+                    "grad_norm": None if grad_norm is None else float(grad_norm),
+                    "learning_rate": learning_rate,
+                    "skipped": bool(skipped),
+                    "seconds": seconds,
+                }
+            )
+        if self._domino_report is not None:
+            self._domino_report.report(step, self.write)
+        return result
+
+    def evaluate_and_print_results(self, prefix, *args, **kwargs):
+        """Megatron's evaluation of one set; names the set and iteration for :meth:`evaluate`.
+
+        Megatron's prefix is ``iteration N`` during training, then ``... on validation set``
+        and ``... on test set`` after it; ``iteration`` is the fifth positional argument.
+        """
+        iteration = args[3] if len(args) > 3 else kwargs["iteration"]
+        self._evaluating = ("test" if "test set" in prefix else "validation", iteration)
+        try:
+            return self._evaluate_and_print_results(prefix, *args, **kwargs)
+        finally:
+            self._evaluating = None
+
+    def evaluate(self, *args, **kwargs):
+        """Megatron's ``evaluate``; its mean loss recorded with the set and iteration."""
+        result = self._evaluate(*args, **kwargs)
+        if self._evaluating is not None and "lm loss" in result[0]:
+            kind, iteration = self._evaluating
+            self.write({"kind": kind, "iteration": iteration, "loss": float(result[0]["lm loss"])})
+        return result

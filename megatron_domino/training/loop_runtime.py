@@ -1,0 +1,173 @@
+"""What Megatron-LM's own training loop (``megatron.training.pretrain``) needs to run from the
+``megatron-core`` wheel, and to run on a machine without CUDA.
+
+Two sets of :class:`~megatron_domino.cpu_runtime.Patch` es, each undone on exit:
+
+* :data:`WHEEL_PATCHES`, on every machine: ``initialize_megatron`` compiles the dataset index
+  helpers with ``make`` in ``megatron/core/datasets``, but the wheel ships them prebuilt
+  (``helpers_cpp``) and without the Makefile, so rank 0 would exit. The replacement only
+  checks that the prebuilt module imports, and says what to do when it does not.
+* :data:`CPU_LOOP_PATCHES`, without CUDA, on top of
+  :func:`~megatron_domino.cpu_runtime.cpu_runtime` (device arguments, RNG, synchronisation):
+  the places where the loop itself insists on a GPU. Two of them would fail *silently* if
+  they stopped applying (without a device count, Megatron skips creating the model-parallel
+  groups and seeding the TP RNG tracker), which is why every patched attribute is checked
+  to exist when the runtime is entered (:meth:`Patch.applied` raises otherwise) and the
+  training script asserts the TP layout it got.
+
+And one on the CPU only, for correctness rather than to avoid a crash: the DataLoader draws
+its base seed from the CPU generator, which on the CPU is also the "CUDA" generator dropout
+draws from, so creating the data iterators would shift dropout's stream by a resume-dependent
+amount. :data:`CPU_LOOP_PATCHES` builds them under ``torch.random.fork_rng``, so a resumed run
+draws the same dropout masks as an uninterrupted one.
+
+File:line references are to the megatron-core 0.19.2 wheel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+from megatron.core.datasets import utils as datasets_utils
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.training import arguments as megatron_arguments
+from megatron.training import initialize as megatron_initialize
+from megatron.training import training as megatron_training
+
+from megatron_domino.cpu_runtime import Patch, cpu_runtime
+
+__all__ = ["CPU_LOOP_PATCHES", "WHEEL_PATCHES", "megatron_loop_runtime"]
+
+#: Megatron-LM asks the GPU's compute capability major (8 Ampere, 9 Hopper, 10 Blackwell) to
+#: choose defaults; on the CPU it is answered as a Hopper (H100/H200) would, our users' GPU.
+HOPPER_ARCH = 9
+
+
+class _NoStream:
+    """A CUDA stream stand-in: waits are no-ops (the CPU runs everything in order)."""
+
+    def wait_stream(self, stream: object) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+def _check_prebuilt_helpers() -> None:
+    """Replace ``compile_helpers``: the wheel's prebuilt ``helpers_cpp`` must import."""
+    try:
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
+    except ImportError as err:
+        raise RuntimeError(
+            "megatron.core.datasets.helpers_cpp (the dataset index helpers, prebuilt in the "
+            "megatron-core wheel) does not import. Reinstall the wheel "
+            "(`pip install --force-reinstall megatron-core`), or with a Megatron-LM checkout "
+            "run `make -C megatron/core/datasets` in it."
+        ) from err
+
+
+def _initialize_megatron_without_cuda(**kwargs):
+    return _initialize_megatron(allow_no_cuda=True, **kwargs)
+
+
+_initialize_megatron = megatron_training.initialize_megatron
+
+
+def _one_device() -> int:
+    return 1
+
+
+def _set_device(device: object) -> None:
+    return None
+
+
+def _null_stream_context(stream: object = None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def _no_stream(*args, **kwargs) -> _NoStream:
+    return _NoStream()
+
+
+def _hopper_arch() -> int:
+    return HOPPER_ARCH
+
+
+def _with_cpu_generator_forked(build):
+    @functools.wraps(build)
+    def wrapper(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            return build(*args, **kwargs)
+
+    return wrapper
+
+
+#: Needed wherever Megatron-LM's loop runs from the wheel, GPU or not.
+WHEEL_PATCHES: tuple[Patch, ...] = (
+    Patch(
+        datasets_utils,
+        "compile_helpers",
+        _check_prebuilt_helpers,
+        "initialize.py:178 runs `make` in the wheel's datasets folder, which has no Makefile.",
+    ),
+)
+
+#: Needed on top of the CPU runtime where there is no CUDA.
+CPU_LOOP_PATCHES: tuple[Patch, ...] = (
+    Patch(
+        megatron_arguments,
+        "get_device_arch_version",
+        _hopper_arch,
+        "validate_args (arguments.py:1414) reads cuda:0's compute capability.",
+    ),
+    Patch(
+        megatron_training,
+        "initialize_megatron",
+        _initialize_megatron_without_cuda,
+        "pretrain (training.py:1091) asserts CUDA unless allow_no_cuda is passed.",
+    ),
+    Patch(
+        torch.cuda,
+        "device_count",
+        _one_device,
+        "initialize.py:358/447 create the TP groups and seed the TP RNG only when it is > 0.",
+    ),
+    Patch(torch.cuda, "set_device", _set_device, "initialize.py:282 selects the rank's GPU."),
+    Patch(torch.cuda, "Stream", _no_stream, "DDP wrapping (training.py:1876) uses a side stream."),
+    Patch(
+        torch.cuda,
+        "current_stream",
+        _no_stream,
+        "DDP wrapping waits for the default stream (training.py:1877, 1896).",
+    ),
+    Patch(torch.cuda, "stream", _null_stream_context, "DDP wrapping runs in a stream context."),
+    Patch(
+        megatron_training,
+        "build_train_valid_test_data_iterators",
+        _with_cpu_generator_forked(megatron_training.build_train_valid_test_data_iterators),
+        "the DataLoader's base seed would otherwise come from dropout's generator.",
+    ),
+)
+
+
+@contextlib.contextmanager
+def megatron_loop_runtime() -> Iterator[None]:
+    """Everything Megatron-LM's ``pretrain`` needs here, for the body; undone on exit.
+
+    With CUDA: :data:`WHEEL_PATCHES` only. Without: the CPU runtime, :data:`CPU_LOOP_PATCHES`
+    and the checkpoint writer's result queue created up front (its spawn-context manager
+    process re-imports ``__main__``; creating it before the loop starts keeps that out of the
+    first save's time).
+    """
+    with contextlib.ExitStack() as stack:
+        for patch in WHEEL_PATCHES:
+            stack.enter_context(patch.applied())
+        if not torch.cuda.is_available():
+            stack.enter_context(cpu_runtime())
+            for patch in CPU_LOOP_PATCHES:
+                stack.enter_context(patch.applied())
+            filesystem_async.get_write_results_queue()
+        yield
