@@ -1,5 +1,6 @@
 # Every target works on a fresh clone: it creates .venv if missing, installs, then runs.
-PYTHON ?= python3
+# .venv is Python 3.12 (megatron-core 0.19 needs it), found by scripts/find_python.sh;
+# `make test PYTHON=/path/to/python3.12` picks one explicitly.
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
@@ -8,9 +9,13 @@ STAMP := $(VENV)/.installed
 .PHONY: install test demo bench gpu-check lint clean
 
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || { python=$$(PYTHON='$(PYTHON)' scripts/find_python.sh) && echo "creating $(VENV) with $$python" \
+		&& $$python -m venv $(VENV); }
+	@$(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' || { echo "$(VENV) is not \
+		Python 3.12 (megatron-core 0.19 needs it): run make clean, then make again." >&2; exit 1; }
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==$(TORCH_VERSION)
+	@echo "installing torch $(TORCH_VERSION): on Python 3.12 PyPI's CUDA build, ~5 GB, a few minutes (it runs on the CPU too)"
+	$(PY) -m pip install --progress-bar off torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e '.[dev,plot]'
 	touch $(STAMP)
 
@@ -31,8 +36,8 @@ gpu-check: $(STAMP)
 	scripts/gpu_check.sh $(if $(QUICK),--quick)
 
 lint: $(STAMP)
-	$(PY) -m ruff check megatron_domino tests pretrain_gpt_domino.py examples
-	$(PY) -m ruff format --check megatron_domino tests pretrain_gpt_domino.py examples
+	$(PY) -m ruff check megatron_domino tests pretrain_gpt_domino.py examples patches
+	$(PY) -m ruff format --check megatron_domino tests pretrain_gpt_domino.py examples patches
 
 clean:
 	rm -rf $(VENV) data_cache runs bench_results loss_parity ab_results gpu_check_results
