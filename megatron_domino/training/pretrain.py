@@ -116,6 +116,14 @@ def _check_layout(args: argparse.Namespace, model_chunks: list) -> list:
     return model_chunks
 
 
+def _announce(domino_config, model_chunks: list) -> list:
+    """Pre-wrap hook, last: say on rank 0 whether Domino runs, and on how many chunks."""
+    if torch.distributed.get_rank() == 0:
+        what = f"{domino_config} on {len(model_chunks)} model chunk(s)" if domino_config else "off"
+        print(f"> Domino: {what}", flush=True)
+    return model_chunks
+
+
 def _parse_args() -> argparse.Namespace:
     validate = Patch(
         megatron_arguments,
@@ -133,16 +141,18 @@ def _run() -> None:
     args = _parse_args()
     model_config = gpt_config_from_args(args)
     model_config.pre_wrap_hooks.append(functools.partial(_check_layout, args))
-    domino_report = None
+    domino_report = domino_config = None
     if args.domino:
         from megatron_domino.megatron_lm import attach
         from megatron_domino.training.domino_report import DominoOverlapReport
 
         hook = attach(model_config, args)
+        domino_config = hook.config
         if args.domino_report:
             domino_report = DominoOverlapReport(
                 lambda: [handle.runtime for handle in hook.handles], args.domino_report_iters
             )
+    model_config.pre_wrap_hooks.append(functools.partial(_announce, domino_config))
     hooks = LoopHooks(args.log_json, domino_report)
     with contextlib.ExitStack() as stack:
         for patch in hooks.patches():
