@@ -245,6 +245,24 @@ def config_problems(model_config, config: DominoConfig, *, tp_size: int) -> list
             f"--hidden-size {model_config.hidden_size} is not divisible by "
             f"--domino-column-chunks {config.column_chunks}"
         )
+    if config.split_along == "sequence":
+        problems += _sequence_split_config_problems(model_config)
+    return problems
+
+
+def _sequence_split_config_problems(model_config) -> list[str]:
+    problems = []
+    if model_config.sequence_parallel:
+        problems.append(
+            "--domino-split sequence cannot run with --sequence-parallel (which already shards "
+            "the tokens over the tensor-parallel ranks); use --domino-split batch"
+        )
+    modules = model_config.recompute_modules or ()
+    if model_config.recompute_granularity == "selective" and "core_attn" in modules:
+        problems.append(
+            "--domino-split sequence cannot replay a checkpointed core attention (its keys come "
+            "from other chunks); drop the selective recompute or use --domino-split batch"
+        )
     return problems
 
 
@@ -283,19 +301,10 @@ def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
 
 
 def _sequence_split_problems(block: TransformerBlock) -> list[str]:
-    """What the sequence split needs: token ranges of a causal sequence, attended by
-    Megatron-Core's local attention outside any checkpoint."""
-    config, problems = block.config, []
-    if config.sequence_parallel:
-        problems.append(
-            "--domino-split sequence cannot run with --sequence-parallel (which already shards "
-            "the tokens over the tensor-parallel ranks); use --domino-split batch"
-        )
-    if config.recompute_granularity == "selective" and "core_attn" in config.recompute_modules:
-        problems.append(
-            "--domino-split sequence cannot replay a checkpointed core attention (its keys come "
-            "from other chunks); drop the selective recompute or use --domino-split batch"
-        )
+    """What the sequence split needs of the built layers: token ranges of a causal sequence,
+    attended by Megatron-Core's local attention (the config-level needs are in
+    :func:`config_problems`)."""
+    problems = []
     for index, layer in enumerate(block.layers):
         attention = getattr(layer, "self_attention", None)
         core = getattr(attention, "core_attention", None)

@@ -22,6 +22,7 @@ Without ``--domino`` nothing of Domino is imported by the script or the patch.
 from __future__ import annotations
 
 import argparse
+
 import torch
 
 from megatron_domino.config import DominoConfig, add_domino_args

@@ -1,78 +1,173 @@
-"""CPU smoke test of a patched Megatron-LM ``pretrain_gpt.py``: its functions, not a training run.
-
-On two gloo ranks (TP = 2), using the patched script's own ``extra_args_provider`` and
-``domino_model_provider``:
-
-1. Megatron-LM's ``parse_args`` and ``validate_args`` accept the Domino flags next to its own;
-2. the model built with ``--domino`` has Domino bound to its transformer block, and its loss and
-   gradients match the model built without ``--domino`` from the same weights;
-3. the patch refuses a micro-batch that ``--domino-chunks`` does not divide before building
-   anything, and ``apply_domino`` (through the patch) refuses selective recompute of the MLP
-   right after the model is built.
+"""CPU smoke test of Megatron-LM's ``pretrain_gpt.py`` with the Domino patch applied.
 
     MLM=/path/to/patched/Megatron-LM PYTHONPATH=$MLM python patches/cpu_smoke.py
 
-Needs this repo's virtual environment plus what ``megatron.training`` imports and the
-megatron-core wheel lacks (six, regex, pyyaml, pydantic, triton in our run). Megatron-LM's
-``pretrain()`` is not called: it needs CUDA.
+The checkout's ``megatron.core`` and ``megatron.training`` must come first on ``sys.path``
+(``PYTHONPATH``); the megatron-core wheel beside them lends only its prebuilt dataset helpers
+(see ``cpu_launch.py``). Three parts, TP = 2 on two gloo ranks where ranks are needed:
+
+1. **imports**, in a fresh interpreter: Megatron-LM's ``parse_args`` with the patch's
+   ``extra_args_provider``. Without ``--domino`` nothing of ``megatron_domino`` is imported
+   and a ``--domino-*`` flag is an unknown argument; with it, the flags are registered.
+2. **build**, on two ranks: the patched script's ``__main__`` runs as written
+   (``parse_and_validate_args``, ``gpt_config_from_args``, the patch's ``attach``) up to
+   ``pretrain()``, which is replaced by what ``setup_model_and_optimizer`` does with the
+   config container: the ``GPTModelConfig``'s builder, ``build_distributed_models``, pre-wrap
+   hooks included (DDP wrapping left out, so the gradients stay in ``.grad``). Once without
+   and once with ``--domino --domino-chunks 2 --domino-column-chunks 2``: Domino is bound to
+   the second model's transformer block only, both start from the same weights, and the loss
+   and every gradient agree to 1e-6. Then ``--micro-batch-size 4 --domino-chunks 3`` and
+   selective recompute of the MLP must be refused with Domino's message.
+3. **train**: Megatron-LM's real ``pretrain()`` through the patched script, under torchrun
+   (``cpu_launch.py``), three iterations on ``--mock-data``, without and with ``--domino``:
+   Domino bound only in the second run, the same per-iteration losses (to 1e-6, relative) and
+   gradient norms; and the run with ``--domino-chunks 3`` fails with Domino's message.
+
+On a checkout whose Megatron-Core megatron-domino refuses (``main``: 0.20), parts 2 and 3
+check instead that the build and the training run without ``--domino`` work and that
+``--domino`` is refused with :class:`~megatron_domino.version.UnsupportedMegatronVersion`'s
+message. Exit status 0 and ``SMOKE OK`` when every check passes.
 """
 
+from __future__ import annotations
+
+import contextlib
+import io
+import json
 import os
 import pathlib
+import runpy
+import subprocess
 import sys
+import tempfile
 
-MLM = os.environ["MLM"]
-sys.path[:0] = [MLM, str(pathlib.Path(__file__).resolve().parents[1] / "tests")]
+HERE = pathlib.Path(__file__).resolve().parent
+MLM = pathlib.Path(os.environ.get("MLM", ".")).resolve()
+SCRIPT = MLM / "pretrain_gpt.py"
 
-import torch  # noqa: E402
-from multiproc import run_on_ranks  # noqa: E402
-
-# fmt: off
-COMMON = [
+#: What Megatron-LM defaults to on a GPU and this machine cannot run, each replaced by the
+#: flag that says so (``tests/launch.py`` gives the reason for each).
+CPU_FLAGS = [
+    "--distributed-backend", "gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
+    "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+]  # fmt: skip
+#: A two-layer GPT, fp32, no dropout (Domino's chunks draw other dropout masks).
+TINY_GPT = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "4",
-    "--global-batch-size", "4", "--tensor-model-parallel-size", "2", "--vocab-size", "256",
-    "--use-cpu-initialization", "--attention-dropout", "0", "--hidden-dropout", "0",
-    "--train-iters", "1", "--lr", "1e-4", "--mock-data", "--tokenizer-type", "NullTokenizer",
-    "--no-gradient-accumulation-fusion", "--no-bias-gelu-fusion", "--no-bias-dropout-fusion",
-    "--no-masked-softmax-fusion", "--no-persist-layer-norm", "--no-rope-fusion",
-]
-# fmt: on
-SEQ, BATCH, VOCAB = 16, 4, 256
+    "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "4",
+    "--global-batch-size", "8", "--tensor-model-parallel-size", "2", "--vocab-size", "256",
+    "--tokenizer-type", "NullTokenizer", "--mock-data", "--train-iters", "3", "--lr", "1e-3",
+    "--attention-dropout", "0", "--hidden-dropout", "0", "--log-interval", "1",
+    "--eval-interval", "1000", "--eval-iters", "1", "--use-cpu-initialization",
+    "--seed", "1234",
+]  # fmt: skip
+COMMON = CPU_FLAGS + TINY_GPT
+DOMINO = ["--domino", "--domino-chunks", "2", "--domino-column-chunks", "2"]
+BAD_CHUNKS = ["--domino", "--domino-chunks", "3"]
+MLP_RECOMPUTE = ["--domino", "--recompute-granularity", "selective", "--recompute-modules", "mlp"]
+SEQ, BATCH, VOCAB = 32, 4, 256
+TOLERANCE = 1e-6
+ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": "1"}
+
+_results: list[tuple[str, bool, str]] = []
 
 
-def _parse(extra):
-    """Megatron-LM's own parsing and validation, with the patch's extra_args_provider."""
+def check(name: str, ok: bool, detail: object = "") -> None:
+    _results.append((name, bool(ok), str(detail)))
+    print(f"  {'PASS' if ok else 'FAIL'}  {name}" + (f": {detail}" if detail != "" else ""))
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= TOLERANCE * max(1.0, abs(a))
+
+
+def first_line(err: BaseException) -> str:
+    """The error's type and the start of its message (a list of reasons: the first one)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {' '.join(lines[:2])}"
+
+
+# ---------------------------------------------------------------- part 1: imports
+def _imports_child() -> None:
+    """In a fresh interpreter: parse with the patch's provider, report imports as JSON."""
     import pretrain_gpt
-    from megatron.training import arguments, global_vars
+    from megatron.training.arguments import parse_args
 
-    sys.argv = ["pretrain_gpt.py", *COMMON, *extra]
-    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
-    arguments.get_device_arch_version = lambda: 9  # no GPU here: answer as a Hopper would
-    args = arguments.parse_args(extra_args_provider=pretrain_gpt.extra_args_provider)
-    arguments.validate_args(args, {"tokenizer_type": "GPT2BPETokenizer"})
-    args.padded_vocab_size = VOCAB  # set by the tokenizer build, which this test skips
-    global_vars._GLOBAL_ARGS = None
-    global_vars.set_args(args)
-    return pretrain_gpt, args
+    report = {}
+    for name, extra in (("plain", []), ("domino", DOMINO), ("chunks only", ["--domino-chunks", "2"])):
+        sys.argv = [str(SCRIPT), *COMMON, *extra]
+        try:
+            args = parse_args(extra_args_provider=pretrain_gpt.extra_args_provider)
+            parsed = [getattr(args, k, None) for k in ("domino", "chunks", "column_chunks")]
+        except SystemExit as exit:
+            parsed = f"SystemExit({exit.code})"
+        modules = sorted(m for m in sys.modules if m.split(".")[0] == "megatron_domino")
+        report[name] = {"parsed": parsed, "modules": modules}
+    print(json.dumps(report))
 
 
-def _build(extra):
-    """The model as Megatron-LM's get_model() asks the patched provider for it."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    pretrain_gpt, args = _parse(extra)
-    torch.manual_seed(1234)
-    model = pretrain_gpt.domino_model_provider(
-        pre_process=True,
-        post_process=True,
-        config=None,
-        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+def part_imports() -> None:
+    print("1. imports (fresh interpreter, Megatron-LM's parse_args)")
+    done = subprocess.run(
+        [sys.executable, __file__, "--imports-child"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **ENV},
+        timeout=300,
     )
-    return args, model
+    try:
+        report = json.loads(done.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        check("parse in a fresh interpreter", False, done.stdout[-2000:] + done.stderr[-2000:])
+        return
+    plain, domino, chunks = report["plain"], report["domino"], report["chunks only"]
+    check("without --domino: no Domino flags", plain["parsed"] == [None, None, None])
+    check("without --domino: nothing of megatron_domino imported", not plain["modules"])
+    check("with --domino: --domino-chunks 2 --domino-column-chunks 2 parsed",
+          domino["parsed"] == [True, 2, 2], domino["parsed"])  # fmt: skip
+    check("with --domino: megatron_domino.megatron_lm imported",
+          "megatron_domino.megatron_lm" in domino["modules"])  # fmt: skip
+    check("--domino-chunks without --domino: rejected by Megatron's parser",
+          chunks["parsed"] == "SystemExit(2)", chunks["parsed"])  # fmt: skip
+
+
+# ---------------------------------------------------------------- part 2: build on two ranks
+def _build(extra: list[str]):
+    """The patched ``__main__`` up to ``pretrain()``, then the model as pretrain builds it."""
+    import megatron.training
+    import torch
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.training import get_args, global_vars
+
+    from megatron_domino.cpu_runtime import Patch
+
+    captured = {}
+
+    def pretrain(cfg_container, *args, **kwargs):
+        captured["cfg"] = cfg_container
+
+    global_vars.unset_global_variables()
+    sys.argv = [str(SCRIPT), *COMMON, *extra]
+    with Patch(megatron.training, "pretrain", pretrain, "stop before training").applied():
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    cfg = captured["cfg"]
+    torch.manual_seed(1234)
+    model_parallel_cuda_manual_seed(1234)
+    # setup_model_and_optimizer's builder call (megatron/training/training.py), without DDP
+    (model,) = cfg.model.get_builder_cls()(cfg.model).build_distributed_models(
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+        ddp_config=cfg.ddp,
+        wrap_with_ddp=False,
+        data_parallel_random_init=cfg.rng.data_parallel_random_init,
+    )
+    return get_args(), model
 
 
 def _loss(model):
+    import torch
+
     torch.manual_seed(0)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
     mask = torch.tril(torch.ones(SEQ, SEQ, dtype=torch.bool)).logical_not().view(1, 1, SEQ, SEQ)
@@ -80,95 +175,178 @@ def _loss(model):
     return out.float().mean()
 
 
-def _flags(args):
-    return (args.domino, args.chunks, args.column_chunks, args.inter_layer, args.backward_overlap)
+def _refused(extra: list[str]) -> str:
+    try:
+        _build(extra)
+    except Exception as err:  # the check reads the type and the message
+        return first_line(err)
+    return "NOT REFUSED"
 
 
-def on_rank():
+def build_on_rank(domino_runs: bool) -> dict:
     import megatron.core
-    import megatron.training
+    import torch
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from megatron_domino.config import DominoConfigError, DominoUnsupportedError
+    from megatron_domino.training.loop_runtime import CPU_LOOP_PATCHES
 
-    report = {
-        "megatron.core from": megatron.core.__file__,
-        "megatron.training from": megatron.training.__file__,
-    }
-    args, stock = _build(["--transformer-impl", "local"])
-    report["flags without --domino"] = _flags(args)
-    args, domino = _build(
-        [
-            "--transformer-impl",
-            "local",
-            "--domino",
-            "--domino-chunks",
-            "2",
-            "--domino-column-chunks",
-            "2",
-        ]
-    )
-    report["flags with --domino"] = _flags(args)
-    block = next(m for m in domino.modules() if isinstance(m, TransformerBlock))
-    report["Domino bound to the block"] = "forward" in vars(block)
-    report["stock model untouched"] = not any("forward" in vars(m) for m in stock.modules())
-
-    domino.load_state_dict(stock.state_dict())
-    a, b = _loss(stock), _loss(domino)
-    a.backward()
-    b.backward()
-    report["loss stock / domino"] = (a.item(), b.item())
-    report["max |grad diff|"] = max(
-        (p.grad - q.grad).abs().max().item()
-        for p, q in zip(stock.parameters(), domino.parameters(), strict=True)
-    )
-    refusals = [
-        (
-            "MLP recompute refused",
-            [
-                "--transformer-impl",
-                "local",
-                "--recompute-granularity",
-                "selective",
-                "--recompute-modules",
-                "mlp",
-                "--domino",
-            ],
-            DominoUnsupportedError,
-        ),
-        (
-            "mbs 4 / --domino-chunks 3 refused",
-            ["--transformer-impl", "local", "--domino", "--domino-chunks", "3"],
-            DominoConfigError,
-        ),
-    ]
-    for name, extra, error in refusals:
-        try:
-            _build(extra)
-            report[name] = "NOT REFUSED"
-        except error as e:
-            report[name] = str(e).splitlines()[0]
+    arch = next(p for p in CPU_LOOP_PATCHES if p.name == "get_device_arch_version")
+    report = {"megatron.core from": megatron.core.__file__}
+    # Megatron prints every argument on every rank; the report below says what matters.
+    with arch.applied(), contextlib.redirect_stdout(io.StringIO()):
+        _, stock = _build([])
+        report["stock model untouched"] = not any("forward" in vars(m) for m in stock.modules())
+        if not domino_runs:
+            report["--domino"] = _refused(DOMINO)
+            return report
+        args, domino = _build(DOMINO)
+        report["flags"] = [args.domino, args.chunks, args.column_chunks]
+        block = next(m for m in domino.modules() if isinstance(m, TransformerBlock))
+        report["Domino bound to the block"] = "forward" in vars(block)
+        stock_state, domino_state = stock.state_dict(), domino.state_dict()
+        report["same initial weights"] = all(
+            torch.equal(v, domino_state[k])
+            for k, v in stock_state.items()
+            if isinstance(v, torch.Tensor)
+        )
+        domino.load_state_dict(stock_state)
+        a, b = _loss(stock), _loss(domino)
+        a.backward()
+        b.backward()
+        report["loss stock / domino"] = [a.item(), b.item()]
+        report["max |grad diff|"] = max(
+            (p.grad - q.grad).abs().max().item()
+            for p, q in zip(stock.parameters(), domino.parameters(), strict=True)
+        )
+        report["mbs 4, --domino-chunks 3"] = _refused(BAD_CHUNKS)
+        report["selective MLP recompute"] = _refused(MLP_RECOMPUTE)
     return report
 
 
-def main() -> int:
-    reports = run_on_ranks(on_rank, 2, timeout_s=600)
-    for rank, report in enumerate(reports):
-        print(f"rank {rank}:")
-        for key, value in report.items():
-            print(f"  {key}: {value}")
-    ok = all(
-        r["Domino bound to the block"]
-        and r["stock model untouched"]
-        and abs(r["loss stock / domino"][0] - r["loss stock / domino"][1]) < 1e-5
-        and r["max |grad diff|"] < 1e-5
-        and "NOT REFUSED"
-        not in (r["MLP recompute refused"], r["mbs 4 / --domino-chunks 3 refused"])
-        for r in reports
+def part_build(domino_runs: bool) -> None:
+    print("2. build: the patched __main__ up to pretrain(), GPTModelBuilder, two gloo ranks")
+    from megatron_domino.ranks import run_ranks
+
+    reports = run_ranks(
+        "__main__:build_on_rank", 2, device="cpu", args=(domino_runs,), timeout_s=600
     )
-    print("SMOKE OK" if ok else "SMOKE FAILED")
-    return 0 if ok else 1
+    for rank, report in enumerate(reports):
+        print(f"  rank {rank}: {json.dumps(report)}")
+    from_checkout = all(r["megatron.core from"].startswith(str(MLM)) for r in reports)
+    check("megatron.core imported from the checkout", from_checkout)
+    check("model without --domino: nothing bound", all(r["stock model untouched"] for r in reports))
+    if not domino_runs:
+        check("--domino refused (megatron-core version)",
+              all(r["--domino"].startswith("UnsupportedMegatronVersion") for r in reports),
+              reports[0]["--domino"])  # fmt: skip
+        return
+    check("--domino flags parsed", all(r["flags"] == [True, 2, 2] for r in reports))
+    check("--domino: Domino bound to the transformer block",
+          all(r["Domino bound to the block"] for r in reports))  # fmt: skip
+    check("both models built with the same weights", all(r["same initial weights"] for r in reports))
+    check("same loss", all(close(*r["loss stock / domino"]) for r in reports),
+          [r["loss stock / domino"] for r in reports])  # fmt: skip
+    check(f"same gradients (max |diff| <= {TOLERANCE})",
+          all(r["max |grad diff|"] <= TOLERANCE for r in reports),
+          [r["max |grad diff|"] for r in reports])  # fmt: skip
+    for name, error in (
+        ("mbs 4, --domino-chunks 3", "DominoConfigError"),
+        ("selective MLP recompute", "DominoUnsupportedError"),
+    ):
+        check(f"{name}: refused", all(r[name].startswith(error) for r in reports), reports[0][name])
+
+
+# ---------------------------------------------------------------- part 3: pretrain()
+def _pretrain(extra: list[str], record: pathlib.Path) -> tuple[int, str, list[dict]]:
+    """The patched script on two torchrun ranks; its exit status, output and rank records."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(HERE / "cpu_launch.py"), str(SCRIPT), *COMMON, *extra,
+    ]  # fmt: skip
+    env = {**os.environ, **ENV, "CPU_LAUNCH_RECORD": str(record)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    records = []
+    for rank in range(2):
+        path = record.with_name(f"{record.name}.rank{rank}.json")
+        records.append(json.loads(path.read_text()) if path.exists() else {})
+    return done.returncode, done.stdout + done.stderr, records
+
+
+def _error_line(output: str, error: str) -> str:
+    return next((line for line in output.splitlines() if error in line), "")
+
+
+def part_train(domino_runs: bool) -> None:
+    print("3. train: Megatron-LM's pretrain() via the patched script, torchrun, two ranks")
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        rc, out, stock = _pretrain([], tmp / "stock")
+        ok = rc == 0 and all(r.get("finished") for r in stock)
+        check("without --domino: 3 iterations trained", ok, "" if ok else out[-3000:])
+        if not ok:
+            return
+        check("without --domino: TP = 2, nothing bound",
+              all(r["tp_size"] == 2 and r["domino_bound"] is False for r in stock))  # fmt: skip
+        check("without --domino: neither megatron_domino.megatron_lm nor .integration imported",
+              not any({"megatron_domino.megatron_lm", "megatron_domino.integration"}
+                      & set(r["megatron_domino_modules"]) for r in stock))  # fmt: skip
+        stock_losses = [i["loss"] for i in stock[-1]["iterations"]]
+        print(f"        losses without --domino: {stock_losses}")
+        if not domino_runs:
+            rc, out, _ = _pretrain(["--domino"], tmp / "domino")
+            line = _error_line(out, "UnsupportedMegatronVersion:")
+            check("--domino refused (megatron-core version)", rc != 0 and line, line.strip())
+            return
+        rc, out, domino = _pretrain(DOMINO, tmp / "domino")
+        ok = rc == 0 and all(r.get("finished") for r in domino)
+        check("with --domino: 3 iterations trained", ok, "" if ok else out[-3000:])
+        if not ok:
+            return
+        check("with --domino: TP = 2, Domino bound",
+              all(r["tp_size"] == 2 and r["domino_bound"] is True for r in domino))  # fmt: skip
+        losses = [i["loss"] for i in domino[-1]["iterations"]]
+        print(f"        losses with --domino:    {losses}")
+        check("same loss every iteration",
+              len(losses) == len(stock_losses) == 3 and all(map(close, stock_losses, losses)),
+              max(abs(a - b) for a, b in zip(stock_losses, losses, strict=True)))  # fmt: skip
+        norms = [(a["grad_norm"], b["grad_norm"])
+                 for a, b in zip(stock[-1]["iterations"], domino[-1]["iterations"], strict=True)]  # fmt: skip
+        check("same gradient norm every iteration", all(close(a, b) for a, b in norms), norms)
+        rc, out, _ = _pretrain(BAD_CHUNKS, tmp / "bad")
+        line = _error_line(out, "DominoConfigError:")
+        check("mbs 4, --domino-chunks 3: refused", rc != 0 and line, line.strip())
+
+
+def main() -> int:
+    if not SCRIPT.is_file() or "MLM" not in os.environ:
+        sys.exit("usage: MLM=/path/to/patched/Megatron-LM PYTHONPATH=$MLM python cpu_smoke.py")
+    from megatron_domino.version import (
+        UnsupportedMegatronVersion,
+        check_megatron_core_version,
+        imported_megatron_core_version,
+    )
+
+    version = imported_megatron_core_version()
+    try:
+        check_megatron_core_version()
+        domino_runs = True
+    except UnsupportedMegatronVersion:
+        domino_runs = False
+    commit = subprocess.run(
+        ["git", "-C", str(MLM), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    print(f"Megatron-LM {MLM} at {commit or '?'}: megatron-core {version}; "
+          f"Domino {'runs' if domino_runs else 'is refused'} here")  # fmt: skip
+    part_imports()
+    part_build(domino_runs)
+    part_train(domino_runs)
+    failed = [name for name, ok, _ in _results if not ok]
+    print("SMOKE OK" if not failed else f"SMOKE FAILED: {', '.join(failed)}")
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    if sys.argv[1:] == ["--imports-child"]:
+        _imports_child()
+    else:
+        sys.exit(main())

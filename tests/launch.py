@@ -29,6 +29,9 @@ CPU_FLAGS = {
     "norm Megatron falls back to refuses it",
     "--no-gradient-accumulation-fusion": "fused weight-gradient accumulation is Apex's CUDA "
     "extension (fused_weight_gradient_mlp_cuda)",
+    "--no-masked-softmax-fusion": "in fp16/bf16 the fused softmax is a CUDA extension "
+    "(scaled_masked_softmax_cuda); fp32 never uses it",
+    "--no-rope-fusion": "the fused rotary embedding is Transformer Engine's (with RoPE only)",
 }
 
 #: A two-layer GPT small enough for a few CPU steps per second, as CPU flags.

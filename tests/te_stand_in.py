@@ -4,7 +4,7 @@ Transformer Engine needs CUDA, so the CPU tests cannot build ``TERowParallelLine
 ``TELayerNormColumnParallelLinear``. These stand-ins reuse Megatron's local linears for the
 weights (same shapes, initialisation and TP attributes) and reproduce, in plain torch, what
 :mod:`megatron_domino.te_linears` relies on in the real ones (read from TE's source, 1.13 and
-2.x, and Megatron-Core 0.16's wrappers):
+2.x, and Megatron-Core 0.19's wrappers in ``megatron/core/extensions/transformer_engine.py``):
 
 * the collectives are chosen on every call from ``parallel_mode`` and ``sequence_parallel``:
   row: all-reduce the output (reduce-scatter under SP); column: forward copy with a backward
@@ -19,7 +19,9 @@ weights (same shapes, initialisation and TP attributes) and reproduce, in plain 
   they were passed, and whether a ``fp8_autocast`` stand-in (:data:`FP8_CONTEXT_DEPTH`) was
   open, in ``calls``.
 
-What they do not model: FP8 arithmetic, TE's fused kernels, Userbuffers.
+What they do not model: FP8 arithmetic, TE's fused kernels, Userbuffers, and the per-module
+quantization context 0.19's wrappers enter around each call (only with ``quant_recipe``, which
+Domino refuses).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -36,8 +40,11 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from megatron_domino.norms import SequenceParallelTorchNorm
 
@@ -122,30 +129,48 @@ class StandInTELayerNormColumnParallelLinear(_TEWrapperContract, ColumnParallelL
         return self._outputs(F.linear(normed, self.weight, bias))
 
 
-def stand_in_te_layer_spec(normalization: str) -> ModuleSpec:
-    """Megatron's TE layer spec, shape for shape, with the stand-ins and local attention."""
-    spec = get_gpt_layer_local_spec(normalization=normalization)
-    attention = _with_submodules(
-        spec.submodules.self_attention,
-        linear_qkv=StandInTELayerNormColumnParallelLinear,
-        linear_proj=StandInTERowParallelLinear,
-    )
-    mlp = _with_submodules(
-        spec.submodules.mlp,
-        linear_fc1=StandInTELayerNormColumnParallelLinear,
-        linear_fc2=StandInTERowParallelLinear,
-    )
-    return _with_submodules(
-        spec,
-        input_layernorm=IdentityOp,
-        self_attention=attention,
-        pre_mlp_layernorm=IdentityOp,
-        mlp=mlp,
-    )
+class StandInTESpecProvider(LocalSpecProvider):
+    """Megatron's ``TESpecProvider`` for the dense layer: the stand-in linears, norms fused
+    into the column-parallel ones, and Megatron's local attention (TE's needs CUDA)."""
+
+    def row_parallel_linear(self) -> type:
+        return StandInTERowParallelLinear
+
+    def fuse_layernorm_and_linear(self) -> bool:
+        return True
+
+    def column_parallel_layer_norm_linear(self) -> type:
+        return StandInTELayerNormColumnParallelLinear
 
 
-def _with_submodules(spec: ModuleSpec, **changes) -> ModuleSpec:
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **changes))
+def stand_in_te_layer_spec() -> ModuleSpec:
+    """The dense layer of Megatron's TE spec (``get_gpt_layer_with_transformer_engine_spec``),
+    shape for shape, built from :class:`StandInTESpecProvider`: the layer's own norms are
+    ``IdentityOp`` (the fused norms follow ``config.normalization``, as TE's do), and the MLP
+    is a ``functools.partial`` of ``MLP.as_mlp_submodule`` whose fc1 has the norm fused in.
+    """
+    backend = StandInTESpecProvider()
+    attention = ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=backend.column_parallel_layer_norm_linear(),
+            core_attention=backend.core_attention(),
+            linear_proj=backend.row_parallel_linear(),
+            q_layernorm=IdentityOp,
+            k_layernorm=IdentityOp,
+        ),
+    )
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            self_attention=attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=IdentityOp,
+            mlp=get_mlp_module_spec_for_backend(backend=backend),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
 
 
 def stand_in_linears(model: torch.nn.Module) -> list[_TEWrapperContract]:

@@ -1,18 +1,16 @@
 """Save, then resume: the resumed run computes exactly the losses of the uninterrupted one.
 
-For the numbers to agree, the checkpoint must restore the model, the optimizer moments and
-step counts, the learning-rate schedule, the data position and every RNG stream. Two layouts
-on two gloo ranks: TP = 2 with dropout on (so the TP-rank-specific RNG stream that attention
-dropout draws from matters), and DP = 2 with the distributed optimizer, overlapped gradient
-reduction, gradient accumulation and bf16 (so optimizer state is sharded over ranks). And
-on four ranks, TP = 2 x PP = 2 with dropout (each stage saves its own layers, optimizer state
-and RNG streams).
+For the numbers to agree, Megatron-LM's checkpoint must restore the model, the optimizer
+moments and step counts, the learning-rate schedule, the data position and every RNG stream,
+and Domino must come back on the resumed model. Layouts, each with ``--domino``: TP = 2 with
+dropout on (so the TP-rank-specific RNG stream that attention dropout draws from matters, and
+the CPU runtime's forked DataLoader seed), DP = 2 x TP = 2 ... see :data:`LAYOUTS`. Megatron-LM
+saves ``torch_dist`` checkpoints (``--ckpt-format``'s default) under ``iter_NNNNNNN/`` and
+``--ckpt-step`` picks the one to resume.
 """
 
 import pytest
 from launch import TINY_GPT, run_pretrain, train_records
-
-from megatron_domino.training.checkpointing import checkpoint_path, latest_iteration
 
 pytestmark = pytest.mark.slow
 
@@ -21,6 +19,7 @@ COMMON = [
     "--lr", "1e-3", "--lr-warmup-iters", "1", "--lr-decay-style", "cosine",
     "--train-iters", "4",
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
+    "--domino",
 ]  # fmt: skip
 DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
 #: layout -> (ranks, flags)
@@ -29,10 +28,6 @@ LAYOUTS = {
         "--tensor-model-parallel-size", "2",
         "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
         *DROPOUT,
-    ]),
-    "dp2-distributed-optimizer-bf16": (2, [
-        "--global-batch-size", "8",
-        "--use-distributed-optimizer", "--overlap-grad-reduce", "--bf16",
     ]),
     "tp2-pp2-dropout": (4, [
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", *DROPOUT,
@@ -51,15 +46,16 @@ def test_resumed_run_matches_the_uninterrupted_run(tmp_path, layout):
         cwd=tmp_path,
         nproc=nproc,
     )
-    assert latest_iteration(str(ckpt)) == 4
-    assert (tmp_path / checkpoint_path("ckpt", 2)).is_dir()
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert (ckpt / "iter_0000002").is_dir()
 
     output = run_pretrain(
         [*run, "--load", str(ckpt), "--ckpt-step", "2", "--log-json", str(resumed)],
         cwd=tmp_path,
         nproc=nproc,
     )
-    assert "resuming from iteration 2" in output
+    assert "successfully loaded checkpoint" in output and "at iteration 2" in output
+    assert "> Domino: DominoConfig(" in output
 
     uninterrupted, after_resume = train_records(full), train_records(resumed)
     assert sorted(after_resume) == [3, 4]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megatron.core import package_info
 from multiproc import run_on_ranks
 from packaging.version import Version
 from tiny_models import TINY
@@ -121,8 +122,8 @@ def test_revert_restores_stock_behaviour_bit_for_bit():
 
 
 def test_untested_megatron_version_is_refused():
-    with pytest.raises(UnsupportedMegatronVersion, match="megatron-core 0.15.0 is installed"):
-        check_megatron_core_version(Version("0.15.0"))
-    with pytest.raises(UnsupportedMegatronVersion, match="0.19.0"):
-        check_megatron_core_version(Version("0.19.0"))
-    assert check_megatron_core_version() >= Version("0.16.1")
+    for untested in ("0.16.1", "0.20.0"):
+        with pytest.raises(UnsupportedMegatronVersion, match=f"megatron-core {untested} is not"):
+            check_megatron_core_version(Version(untested))
+    assert check_megatron_core_version(Version("0.19.2")) == Version("0.19.2")
+    assert check_megatron_core_version() == Version(package_info.__version__)

@@ -1,13 +1,14 @@
 """``pretrain_gpt_domino.py --domino`` trains exactly like the run without it.
 
-Each case launches the real training script twice under torchrun on gloo ranks (see
-:mod:`launch`), with the same seed, mock data (``NullTokenizer``) and flags, once without and
+Each case launches the real training script (Megatron-LM's own ``pretrain()``) twice under
+torchrun on gloo ranks (see :mod:`launch`), with the same seed, mock data (``NullTokenizer``)
+and flags, once without and
 once with ``--domino``, for 20 optimizer steps, and compares the ``--log-json`` records of
 every iteration: the loss, the gradient norm before clipping, the learning rate (exactly) and
 that no step was skipped. Dropout is off, so the two runs differ only in how Domino
 orders the work. Each case also checks that the loss fell, so a broken run (both arms equally
 untrained) cannot pass, and that the Domino arm really ran Domino (the banner names its
-config) rather than silently the stock path.
+config, printed by the pre-wrap hook that applied it) rather than silently the stock path.
 
 Cases (tiny GPT: 2 layers, hidden 64, 4 heads, sequence 32):
 
@@ -52,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from launch import run_pretrain, train_records
+from launch import CPU_FLAGS, run_pretrain, train_records
 
 pytestmark = pytest.mark.slow
 
@@ -60,12 +61,14 @@ TRAIN_ITERS = 20
 
 #: Shared by every case and both arms: model size, schedule, data, no dropout.
 COMMON = [
+    *" ".join(CPU_FLAGS).split(),
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "32", "--tensor-model-parallel-size", "2",
+    "--seq-length", "32", "--max-position-embeddings", "32",
+    "--tensor-model-parallel-size", "2",
     "--attention-dropout", "0", "--hidden-dropout", "0",
     "--lr", "3e-3", "--lr-warmup-iters", "2", "--train-iters", str(TRAIN_ITERS),
     "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "200",
-    "--log-interval", "10",
+    "--log-interval", "10", "--eval-interval", "1000", "--eval-iters", "0",
 ]  # fmt: skip
 
 MODERN_MODEL = [
@@ -174,9 +177,9 @@ def test_domino_training_matches_the_baseline(tmp_path, mock_data_cache, name):
     arm = functools.partial(_train, case, cwd=tmp_path, cache=mock_data_cache)
     baseline, baseline_output = arm([], name="baseline")
     domino, domino_output = arm(case.domino_flags, name="domino")
-    assert "Domino: off" in baseline_output
+    assert "> Domino: off" in baseline_output
     banner = (
-        f"Domino: DominoConfig(chunks={case.chunks}, column_chunks={case.column_chunks}, "
+        f"> Domino: DominoConfig(chunks={case.chunks}, column_chunks={case.column_chunks}, "
         f"split_along='{case.split_along}',"
     )
     assert banner in domino_output

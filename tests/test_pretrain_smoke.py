@@ -1,9 +1,7 @@
 """End-to-end: pretrain_gpt_domino.py trains on a prepared dataset and the loss falls."""
 
-import json
-
 import pytest
-from launch import TINY_GPT, run_pretrain, train_records
+from launch import TINY_GPT, records, run_pretrain, train_records
 
 from megatron_domino.data.corpus import stdlib_corpus
 from megatron_domino.data.prepare import SentencePieceSettings, prepare
@@ -11,7 +9,7 @@ from megatron_domino.data.prepare import SentencePieceSettings, prepare
 pytestmark = pytest.mark.slow
 
 
-def test_tp2_run_on_a_prepared_dataset_decreases_the_loss(tmp_path):
+def test_tp2_domino_run_on_a_prepared_dataset_decreases_the_loss(tmp_path):
     data = prepare(
         corpus=stdlib_corpus(max_bytes=300_000),
         output_dir=tmp_path / "data",
@@ -29,16 +27,18 @@ def test_tp2_run_on_a_prepared_dataset_decreases_the_loss(tmp_path):
             "--tokenizer-model", str(data.tokenizer_model),
             "--eval-interval", "12", "--eval-iters", "2",
             "--log-throughput", "--log-json", str(log_json),
+            "--domino", "--domino-report", "--domino-report-iters", "1",
         ],
         cwd=tmp_path,
     )  # fmt: skip
     losses = [record["loss"] for record in train_records(log_json).values()]
     assert len(losses) == 24
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
-    validation = [json.loads(line) for line in log_json.read_text().splitlines()]
-    assert [r["iteration"] for r in validation if r["kind"] == "validation"] == [12, 24]
-    assert "throughput per GPU (TFLOP/s/GPU)" in output and "tokens/s" in output
-    assert "Summary" in output and str(log_json) in output
+    assert sorted(records(log_json, "validation")) == [12, 24]
+    # Megatron-LM's own throughput line (its FLOP formula), and Domino's overlap report.
+    assert "throughput per GPU (TFLOP/s/GPU)" in output
+    assert "[domino-report] iteration 2" in output
+    assert sorted(records(log_json, "domino_report")) == [2]
 
 
 def test_one_plain_python_process_trains(tmp_path):

@@ -82,6 +82,13 @@ class DominoOverlapReport:
             return
         spans = collective_spans(recorder.events())
         clock = "CUDA events" if recorder.use_cuda_events else "wall clock"
-        write({"kind": "domino_report", "iteration": iteration, **report_totals(spans), "clock": clock})
+        write(
+            {
+                "kind": "domino_report",
+                "iteration": iteration,
+                **report_totals(spans),
+                "clock": clock,
+            }
+        )
         if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
             print("\n".join(report_lines(spans, iteration=iteration, clock=clock)), flush=True)

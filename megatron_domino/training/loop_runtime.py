@@ -34,7 +34,6 @@ import torch
 from megatron.core.datasets import utils as datasets_utils
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.training import arguments as megatron_arguments
-from megatron.training import initialize as megatron_initialize
 from megatron.training import training as megatron_training
 
 from megatron_domino.cpu_runtime import Patch, cpu_runtime

@@ -1,0 +1,142 @@
+"""pretrain_gpt_domino.py's flags: Megatron-LM's parser and validation plus Domino's checks.
+
+Megatron's own ``parse_args`` and ``validate_args`` run in-process on a faked command line
+(no process group), with the script's ``extra_args_provider``; then the checks the script adds
+after Megatron's validation (:func:`megatron_domino.training.pretrain._script_checks`). Last,
+a real launch with a refused flag combination: it fails before writing anything.
+"""
+
+import sys
+
+import pytest
+from launch import TINY_GPT, run_pretrain
+from megatron.training import arguments as megatron_arguments
+
+from megatron_domino.config import DominoConfigError, DominoUnsupportedError
+from megatron_domino.training import pretrain as entry
+
+DATA = "--mock-data --tokenizer-type NullTokenizer --vocab-size 100".split()
+BASE = [*TINY_GPT, "--lr", "1e-3", "--train-iters", "10", *DATA]
+TP2_DOMINO = "--domino --tensor-model-parallel-size 2".split()
+#: Transformer Engine layers (Megatron-LM's default) with Domino, at TP = 2.
+TE_DOMINO = [*TP2_DOMINO, "--transformer-impl", "transformer_engine"]
+
+
+def checked(monkeypatch, *extra: str, world_size: int = 2, base: list[str] = BASE):
+    """Megatron's parse and validation of ``base + extra``, then the script's checks."""
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt_domino.py", *base, *extra])
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # validate_args asks the GPU's architecture; answered as a Hopper, as the CPU runtime does.
+    monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)
+    args = megatron_arguments.parse_args(extra_args_provider=entry._extra_args)
+    megatron_arguments.validate_args(args, dict(entry.ARGS_DEFAULTS))
+    entry._script_checks(args)
+    return args
+
+
+@pytest.mark.parametrize(
+    ("extra", "error", "expected"),
+    [
+        (["--domino"], DominoUnsupportedError, "tensor-model-parallel size is 1"),
+        (
+            [*TP2_DOMINO, "--domino-chunks", "4"],
+            DominoConfigError,
+            "--micro-batch-size 2 is not divisible by --domino-chunks 4",
+        ),
+        (
+            [*TP2_DOMINO, "--domino-chunks", "1"],
+            DominoConfigError,
+            "leaves nothing to overlap",
+        ),
+        (
+            [*TP2_DOMINO, "--domino-chunks", "1", "--domino-column-chunks", "3"],
+            DominoConfigError,
+            "--hidden-size 64 is not divisible by --domino-column-chunks 3",
+        ),
+        (
+            [*TP2_DOMINO, "--domino-split", "sequence", "--domino-chunks", "3"],
+            DominoConfigError,
+            "--seq-length 32 is not divisible by --domino-chunks 3",
+        ),
+        (
+            [*TP2_DOMINO, "--recompute-granularity", "selective", "--recompute-modules", "mlp"],
+            DominoUnsupportedError,
+            "selective recompute of mlp is not supported",
+        ),
+        (
+            [*TE_DOMINO, "--sequence-parallel", "--domino-column-chunks", "2"],
+            DominoUnsupportedError,
+            "--domino-column-chunks > 1 needs",
+        ),
+        (TE_DOMINO, DominoUnsupportedError, "add --no-domino-backward-overlap"),
+        (
+            [*TE_DOMINO, "--sequence-parallel", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"],
+            DominoUnsupportedError,
+            "--fp8-recipe mxfp8 computes scales",
+        ),
+        (
+            [*TP2_DOMINO, "--fp8-format", "hybrid"],
+            DominoUnsupportedError,
+            "FP8 runs only in Transformer Engine layers",
+        ),
+        (
+            [*TP2_DOMINO, "--sequence-parallel", "--domino-split", "sequence"],
+            DominoUnsupportedError,
+            "--domino-split sequence cannot run with --sequence-parallel",
+        ),
+        (
+            [*TP2_DOMINO, "--cuda-graph-impl", "local"],
+            DominoUnsupportedError,
+            "CUDA graphs bypass forward()",
+        ),
+        (["--sft"], entry.StartupError, "does not implement --sft"),
+        (["--domino-report"], entry.StartupError, "--domino-report reports Domino's overlap"),
+        (
+            ["--distributed-backend", "nccl"],
+            entry.StartupError,
+            "add --distributed-backend gloo",
+        ),
+    ],
+)
+def test_refused_combinations_name_the_problem_and_the_fix(monkeypatch, extra, error, expected):
+    with pytest.raises(error) as err:
+        checked(monkeypatch, *extra)
+    assert expected in str(err.value)
+
+
+def test_supported_combinations_pass(monkeypatch):
+    for extra in (
+        [*TP2_DOMINO, "--domino-chunks", "2", "--domino-column-chunks", "2"],
+        [*TP2_DOMINO, "--domino-split", "sequence", "--micro-batch-size", "1"],
+        [*TE_DOMINO, "--sequence-parallel", "--fp8-format", "hybrid"],
+        [*TP2_DOMINO, "--recompute-activations", "--domino-report"],
+    ):
+        args = checked(monkeypatch, *extra)
+        assert args.domino
+
+
+def test_megatron_parses_every_megatron_lm_flag_with_its_meaning(monkeypatch):
+    base = [*TINY_GPT, "--lr", "1e-3", *DATA]
+    args = checked(monkeypatch, "--rotary-base", "500000", "--train-samples", "64", base=base)
+    assert args.rotary_base == 500000
+    assert args.train_samples == 64 and args.train_iters is None
+    # Megatron-LM's own default, not a CPU one: the CPU flags in TINY_GPT set it to local.
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt_domino.py", "--num-layers", "2"])
+    assert megatron_arguments.parse_args(entry._extra_args).transformer_impl == "transformer_engine"
+
+
+def test_a_refused_run_writes_nothing(tmp_path):
+    outputs = [
+        "--save", str(tmp_path / "ckpt"), "--save-interval", "5",
+        "--tensorboard-dir", str(tmp_path / "tb"),
+        "--log-json", str(tmp_path / "log.jsonl"), "--data-cache-path", str(tmp_path / "cache"),
+    ]  # fmt: skip
+    output = run_pretrain(
+        [*BASE, *TP2_DOMINO, *outputs, "--domino-chunks", "4"],
+        cwd=tmp_path,
+        expect_success=False,
+    )
+    assert "pretrain_gpt_domino.py: error: --micro-batch-size 2 is not divisible" in output
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,68 @@
+"""The version guard judges the Megatron-Core that is imported, not the installed wheel."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from packaging.version import Version
+
+from megatron_domino.version import (
+    PINNED_MEGATRON_CORE,
+    TESTED_MEGATRON_CORE,
+    UnsupportedMegatronVersion,
+    check_megatron_core_version,
+)
+
+
+def test_the_imported_release_is_accepted():
+    assert check_megatron_core_version() == Version(PINNED_MEGATRON_CORE)
+    assert Version(PINNED_MEGATRON_CORE) in TESTED_MEGATRON_CORE
+
+
+@pytest.mark.parametrize("found", ["0.19.1", "0.19.1+5be9626", "0.19.2"])
+def test_tested_releases_pass(found):
+    assert check_megatron_core_version(Version(found)) == Version(found)
+
+
+@pytest.mark.parametrize("found", ["0.16.1", "0.18.2", "0.19.0", "0.20.0", "0.20.0rc0"])
+def test_other_releases_are_refused_with_the_fix(found):
+    with pytest.raises(UnsupportedMegatronVersion) as err:
+        check_megatron_core_version(Version(found))
+    message = str(err.value)
+    assert f"megatron-core {found} is not a release" in message
+    assert f"pip install megatron-core=={PINNED_MEGATRON_CORE}" in message
+    assert "53915d8" in message  # where 0.16 users find the last release that ran on it
+
+
+def _check_with_checkout(tmp_path, version: str) -> subprocess.CompletedProcess:
+    """Run the guard with a Megatron-LM-checkout-style ``megatron/core`` first on the path."""
+    core = tmp_path / "Megatron-LM" / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "__init__.py").write_text("")
+    (core / "package_info.py").write_text(f"__version__ = {version!r}\n")
+    code = textwrap.dedent(
+        """
+        from megatron_domino.version import check_megatron_core_version
+        print(check_megatron_core_version())
+        """
+    )
+    env_path = str(tmp_path / "Megatron-LM")
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_checkout_on_pythonpath_is_judged_by_its_own_version(tmp_path):
+    # The installed wheel is 0.19.2 either way; only the imported code's version counts.
+    refused = _check_with_checkout(tmp_path / "a", "0.20.0")
+    assert refused.returncode != 0
+    assert "megatron-core 0.20.0 (imported from" in refused.stderr
+    assert str(tmp_path / "a" / "Megatron-LM" / "megatron" / "core") in refused.stderr
+    accepted = _check_with_checkout(tmp_path / "b", "0.19.1")
+    assert accepted.returncode == 0, accepted.stderr
+    assert accepted.stdout.strip() == "0.19.1"
