@@ -54,6 +54,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from megatron.core.extensions.transformer_engine import HAVE_TE
 from megatron.core.utils import get_te_version
 from packaging.version import Version
 
@@ -88,10 +89,13 @@ def is_te_linear(module: torch.nn.Module) -> bool:
 def check_transformer_engine_version() -> None:
     """Raise unless the installed Transformer Engine is at least :data:`TE_MIN_VERSION`.
 
-    Without TE nothing is checked: Megatron's TE layers cannot be built then.
+    Without TE nothing is checked: Megatron's TE layers cannot be built then. (Megatron-Core
+    0.19's ``get_te_version`` reports ``0.0.0`` when TE does not import, hence ``HAVE_TE``.)
     """
-    found = get_te_version()  # None when TE does not import
-    if found is not None and found < TE_MIN_VERSION:
+    if not HAVE_TE:
+        return
+    found = get_te_version()
+    if found < TE_MIN_VERSION:
         raise DominoUnsupportedError(
             f"Domino needs Transformer Engine >= {TE_MIN_VERSION} (its linears must read "
             f"parallel_mode per call); found {found}. Upgrade transformer-engine, or use "
