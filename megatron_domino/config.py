@@ -125,7 +125,13 @@ class DominoConfig:
         """The config described by parsed flags, or ``None`` when ``--domino`` is off."""
         if not args.domino:
             return None
-        return cls(**{f.name: getattr(args, f.name) for f in _fields()})
+        return cls(**{f.name: getattr(args, _dest(f)) for f in _fields()})
+
+
+def _dest(f: dataclasses.Field) -> str:
+    """Where a field's flag is stored in the parsed namespace: ``domino_<field>``, so that
+    Domino's values never collide with Megatron-LM's own arguments on a shared parser."""
+    return f"domino_{f.name}"
 
 
 def _fields() -> tuple[dataclasses.Field, ...]:
@@ -154,7 +160,7 @@ def add_domino_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if isinstance(f.default, bool):
             group.add_argument(
                 meta["flag"],
-                dest=f.name,
+                dest=_dest(f),
                 action="store_false",
                 default=f.default,
                 help=meta["help"],
@@ -162,7 +168,7 @@ def add_domino_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         elif "choices" in meta:
             group.add_argument(
                 meta["flag"],
-                dest=f.name,
+                dest=_dest(f),
                 choices=meta["choices"],
                 default=f.default,
                 help=meta["help"] + f" Default: {f.default}.",
@@ -170,7 +176,7 @@ def add_domino_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         else:
             group.add_argument(
                 meta["flag"],
-                dest=f.name,
+                dest=_dest(f),
                 type=int,
                 default=f.default,
                 metavar="N",

@@ -33,6 +33,7 @@ from megatron_domino.integration import (
     raise_problems,
 )
 from megatron_domino.te_linears import te_problems
+from megatron_domino.version import check_megatron_core_version
 
 __all__ = ["DominoModelHook", "add_domino_args", "attach", "check_args"]
 
@@ -41,6 +42,7 @@ def check_args(args: argparse.Namespace) -> DominoConfig | None:
     """Domino's config from Megatron's validated ``args``, or ``None`` without ``--domino``.
 
     Raises:
+        UnsupportedMegatronVersion: the imported Megatron-Core is not a tested release.
         DominoConfigError: a ``--domino*`` value is invalid or the shapes cannot be split.
         DominoUnsupportedError: the flags ask for something Domino cannot run with; the
             message lists every reason with its fix.
@@ -48,6 +50,7 @@ def check_args(args: argparse.Namespace) -> DominoConfig | None:
     config = DominoConfig.from_args(args)
     if config is None:
         return None
+    check_megatron_core_version()
     config.check_shapes(
         micro_batch_size=args.micro_batch_size,
         hidden_size=args.hidden_size,

@@ -100,7 +100,7 @@ fi
 [[ $# -ge 2 ]] || usage
 gitdir=$2
 shift 2
-git --git-dir="$gitdir" rev-parse --verify -q HEAD >/dev/null || {
+git --git-dir="$gitdir" rev-parse --git-dir >/dev/null 2>&1 || {
     echo "$gitdir is not a git directory" >&2
     exit 2
 }
@@ -131,7 +131,7 @@ check_ref() {
             mkdir -p "$work/tree/$(dirname "$path")"
             git --git-dir="$gitdir" show "$commit:$path" >"$work/tree/$path" 2>/dev/null \
                 || rm -f "$work/tree/$path"
-        done < <(git apply --numstat "$patch")
+        done < <(cd "$work" && git apply --numstat "$patch") # not in a repo: all paths
         check_one "$work/tree" "$patch" && applies=1
     done
     if [[ $expected == - ]]; then

@@ -21,7 +21,9 @@ The checkout's ``megatron.core`` and ``megatron.training`` must come first on ``
 3. **train**: Megatron-LM's real ``pretrain()`` through the patched script, under torchrun
    (``cpu_launch.py``), three iterations on ``--mock-data``, without and with ``--domino``:
    Domino bound only in the second run, the same per-iteration losses (to 1e-6, relative) and
-   gradient norms; and the run with ``--domino-chunks 3`` fails with Domino's message.
+   gradient norms; the run without ``--domino`` gives bit for bit the iterations of upstream's
+   unpatched script (the checkout's committed ``pretrain_gpt.py``), and the run with
+   ``--domino-chunks 3`` fails with Domino's message.
 
 On a checkout whose Megatron-Core megatron-domino refuses (``main``: 0.20), parts 2 and 3
 check instead that the build and the training run without ``--domino`` work and that
@@ -40,6 +42,7 @@ import runpy
 import subprocess
 import sys
 import tempfile
+import warnings
 
 HERE = pathlib.Path(__file__).resolve().parent
 MLM = pathlib.Path(os.environ.get("MLM", ".")).resolve()
@@ -95,13 +98,17 @@ def _imports_child() -> None:
     from megatron.training.arguments import parse_args
 
     report = {}
-    for name, extra in (("plain", []), ("domino", DOMINO), ("chunks only", ["--domino-chunks", "2"])):
+    for name, extra in (
+        ("plain", []),
+        ("domino", DOMINO),
+        ("chunks only", ["--domino-chunks", "2"]),
+    ):
         sys.argv = [str(SCRIPT), *COMMON, *extra]
         try:
             args = parse_args(extra_args_provider=pretrain_gpt.extra_args_provider)
-            parsed = [getattr(args, k, None) for k in ("domino", "chunks", "column_chunks")]
-        except SystemExit as exit:
-            parsed = f"SystemExit({exit.code})"
+            parsed = [getattr(args, k, None) for k in ("domino", "domino_chunks", "domino_column_chunks")]
+        except SystemExit as stop:
+            parsed = f"SystemExit({stop.code})"
         modules = sorted(m for m in sys.modules if m.split(".")[0] == "megatron_domino")
         report[name] = {"parsed": parsed, "modules": modules}
     print(json.dumps(report))
@@ -124,12 +131,20 @@ def part_imports() -> None:
     plain, domino, chunks = report["plain"], report["domino"], report["chunks only"]
     check("without --domino: no Domino flags", plain["parsed"] == [None, None, None])
     check("without --domino: nothing of megatron_domino imported", not plain["modules"])
-    check("with --domino: --domino-chunks 2 --domino-column-chunks 2 parsed",
-          domino["parsed"] == [True, 2, 2], domino["parsed"])  # fmt: skip
-    check("with --domino: megatron_domino.megatron_lm imported",
-          "megatron_domino.megatron_lm" in domino["modules"])  # fmt: skip
-    check("--domino-chunks without --domino: rejected by Megatron's parser",
-          chunks["parsed"] == "SystemExit(2)", chunks["parsed"])  # fmt: skip
+    check(
+        "with --domino: --domino-chunks 2 --domino-column-chunks 2 parsed",
+        domino["parsed"] == [True, 2, 2],
+        domino["parsed"],
+    )
+    check(
+        "with --domino: megatron_domino.megatron_lm imported",
+        "megatron_domino.megatron_lm" in domino["modules"],
+    )
+    check(
+        "--domino-chunks without --domino: rejected by Megatron's parser",
+        chunks["parsed"] == "SystemExit(2)",
+        chunks["parsed"],
+    )
 
 
 # ---------------------------------------------------------------- part 2: build on two ranks
@@ -200,7 +215,7 @@ def build_on_rank(domino_runs: bool) -> dict:
             report["--domino"] = _refused(DOMINO)
             return report
         args, domino = _build(DOMINO)
-        report["flags"] = [args.domino, args.chunks, args.column_chunks]
+        report["flags"] = [args.domino, args.domino_chunks, args.domino_column_chunks]
         block = next(m for m in domino.modules() if isinstance(m, TransformerBlock))
         report["Domino bound to the block"] = "forward" in vars(block)
         stock_state, domino_state = stock.state_dict(), domino.state_dict()
@@ -236,19 +251,30 @@ def part_build(domino_runs: bool) -> None:
     check("megatron.core imported from the checkout", from_checkout)
     check("model without --domino: nothing bound", all(r["stock model untouched"] for r in reports))
     if not domino_runs:
-        check("--domino refused (megatron-core version)",
-              all(r["--domino"].startswith("UnsupportedMegatronVersion") for r in reports),
-              reports[0]["--domino"])  # fmt: skip
+        check(
+            "--domino refused (megatron-core version)",
+            all(r["--domino"].startswith("UnsupportedMegatronVersion") for r in reports),
+            reports[0]["--domino"],
+        )
         return
     check("--domino flags parsed", all(r["flags"] == [True, 2, 2] for r in reports))
-    check("--domino: Domino bound to the transformer block",
-          all(r["Domino bound to the block"] for r in reports))  # fmt: skip
-    check("both models built with the same weights", all(r["same initial weights"] for r in reports))
-    check("same loss", all(close(*r["loss stock / domino"]) for r in reports),
-          [r["loss stock / domino"] for r in reports])  # fmt: skip
-    check(f"same gradients (max |diff| <= {TOLERANCE})",
-          all(r["max |grad diff|"] <= TOLERANCE for r in reports),
-          [r["max |grad diff|"] for r in reports])  # fmt: skip
+    check(
+        "--domino: Domino bound to the transformer block",
+        all(r["Domino bound to the block"] for r in reports),
+    )
+    check(
+        "both models built with the same weights", all(r["same initial weights"] for r in reports)
+    )
+    check(
+        "same loss",
+        all(close(*r["loss stock / domino"]) for r in reports),
+        [r["loss stock / domino"] for r in reports],
+    )
+    check(
+        f"same gradients (max |diff| <= {TOLERANCE})",
+        all(r["max |grad diff|"] <= TOLERANCE for r in reports),
+        [r["max |grad diff|"] for r in reports],
+    )
     for name, error in (
         ("mbs 4, --domino-chunks 3", "DominoConfigError"),
         ("selective MLP recompute", "DominoUnsupportedError"),
@@ -257,11 +283,13 @@ def part_build(domino_runs: bool) -> None:
 
 
 # ---------------------------------------------------------------- part 3: pretrain()
-def _pretrain(extra: list[str], record: pathlib.Path) -> tuple[int, str, list[dict]]:
-    """The patched script on two torchrun ranks; its exit status, output and rank records."""
+def _pretrain(
+    extra: list[str], record: pathlib.Path, script: pathlib.Path = SCRIPT
+) -> tuple[int, str, list[dict]]:
+    """``script`` on two torchrun ranks; its exit status, output and rank records."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        str(HERE / "cpu_launch.py"), str(SCRIPT), *COMMON, *extra,
+        str(HERE / "cpu_launch.py"), str(script), *COMMON, *extra,
     ]  # fmt: skip
     env = {**os.environ, **ENV, "CPU_LAUNCH_RECORD": str(record)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
@@ -270,6 +298,19 @@ def _pretrain(extra: list[str], record: pathlib.Path) -> tuple[int, str, list[di
         path = record.with_name(f"{record.name}.rank{rank}.json")
         records.append(json.loads(path.read_text()) if path.exists() else {})
     return done.returncode, done.stdout + done.stderr, records
+
+
+def _upstream_script(tmp: pathlib.Path) -> pathlib.Path | None:
+    """Upstream's ``pretrain_gpt.py`` (the checkout's committed one), if it is unpatched."""
+    done = subprocess.run(
+        ["git", "-C", str(MLM), "show", "HEAD:pretrain_gpt.py"], capture_output=True, text=True
+    )
+    if done.returncode != 0 or "megatron_domino" in done.stdout:
+        return None
+    path = tmp / "upstream" / "pretrain_gpt.py"  # imports gpt_builders etc. via PYTHONPATH
+    path.parent.mkdir()
+    path.write_text(done.stdout)
+    return path
 
 
 def _error_line(output: str, error: str) -> str:
@@ -285,13 +326,30 @@ def part_train(domino_runs: bool) -> None:
         check("without --domino: 3 iterations trained", ok, "" if ok else out[-3000:])
         if not ok:
             return
-        check("without --domino: TP = 2, nothing bound",
-              all(r["tp_size"] == 2 and r["domino_bound"] is False for r in stock))  # fmt: skip
-        check("without --domino: neither megatron_domino.megatron_lm nor .integration imported",
-              not any({"megatron_domino.megatron_lm", "megatron_domino.integration"}
-                      & set(r["megatron_domino_modules"]) for r in stock))  # fmt: skip
+        check(
+            "without --domino: TP = 2, nothing bound",
+            all(r["tp_size"] == 2 and r["domino_bound"] is False for r in stock),
+        )
+        check(
+            "without --domino: neither megatron_domino.megatron_lm nor .integration imported",
+            not any(
+                {"megatron_domino.megatron_lm", "megatron_domino.integration"}
+                & set(r["megatron_domino_modules"])
+                for r in stock
+            ),
+        )
         stock_losses = [i["loss"] for i in stock[-1]["iterations"]]
         print(f"        losses without --domino: {stock_losses}")
+        upstream = _upstream_script(tmp)
+        if upstream is None:
+            print("        (no unpatched pretrain_gpt.py at the checkout's HEAD: upstream not run)")
+        else:
+            rc, out, plain = _pretrain([], tmp / "upstream", upstream)
+            check(
+                "upstream's unpatched script: the same iterations, bit for bit",
+                rc == 0 and plain[-1].get("iterations") == stock[-1]["iterations"],
+                "" if rc == 0 else out[-3000:],
+            )
         if not domino_runs:
             rc, out, _ = _pretrain(["--domino"], tmp / "domino")
             line = _error_line(out, "UnsupportedMegatronVersion:")
@@ -302,15 +360,19 @@ def part_train(domino_runs: bool) -> None:
         check("with --domino: 3 iterations trained", ok, "" if ok else out[-3000:])
         if not ok:
             return
-        check("with --domino: TP = 2, Domino bound",
-              all(r["tp_size"] == 2 and r["domino_bound"] is True for r in domino))  # fmt: skip
+        check(
+            "with --domino: TP = 2, Domino bound",
+            all(r["tp_size"] == 2 and r["domino_bound"] is True for r in domino),
+        )
         losses = [i["loss"] for i in domino[-1]["iterations"]]
         print(f"        losses with --domino:    {losses}")
-        check("same loss every iteration",
-              len(losses) == len(stock_losses) == 3 and all(map(close, stock_losses, losses)),
-              max(abs(a - b) for a, b in zip(stock_losses, losses, strict=True)))  # fmt: skip
-        norms = [(a["grad_norm"], b["grad_norm"])
-                 for a, b in zip(stock[-1]["iterations"], domino[-1]["iterations"], strict=True)]  # fmt: skip
+        check(
+            "same loss every iteration",
+            len(losses) == len(stock_losses) == 3 and all(map(close, stock_losses, losses)),
+            max(abs(a - b) for a, b in zip(stock_losses, losses, strict=True)),
+        )
+        pairs = zip(stock[-1]["iterations"], domino[-1]["iterations"], strict=True)
+        norms = [(a["grad_norm"], b["grad_norm"]) for a, b in pairs]
         check("same gradient norm every iteration", all(close(a, b) for a, b in norms), norms)
         rc, out, _ = _pretrain(BAD_CHUNKS, tmp / "bad")
         line = _error_line(out, "DominoConfigError:")
@@ -320,6 +382,9 @@ def part_train(domino_runs: bool) -> None:
 def main() -> int:
     if not SCRIPT.is_file() or "MLM" not in os.environ:
         sys.exit("usage: MLM=/path/to/patched/Megatron-LM PYTHONPATH=$MLM python cpu_smoke.py")
+    if "from megatron_domino.megatron_lm import attach" not in SCRIPT.read_text():
+        sys.exit(f"{SCRIPT} is not patched: git apply {HERE}/megatron-lm-*.patch in {MLM}")
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
     from megatron_domino.version import (
         UnsupportedMegatronVersion,
         check_megatron_core_version,
@@ -335,8 +400,10 @@ def main() -> int:
     commit = subprocess.run(
         ["git", "-C", str(MLM), "rev-parse", "HEAD"], capture_output=True, text=True
     ).stdout.strip()
-    print(f"Megatron-LM {MLM} at {commit or '?'}: megatron-core {version}; "
-          f"Domino {'runs' if domino_runs else 'is refused'} here")  # fmt: skip
+    print(
+        f"Megatron-LM {MLM} at {commit or '?'}: megatron-core {version}; "
+        f"Domino {'runs' if domino_runs else 'is refused'} here"
+    )
     part_imports()
     part_build(domino_runs)
     part_train(domino_runs)

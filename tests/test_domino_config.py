@@ -34,7 +34,8 @@ def test_flags_map_one_to_one_onto_fields():
         backward_overlap=False,
     )
     parser_dests = {a.dest for a in add_domino_args(argparse.ArgumentParser())._actions}
-    assert {f.name for f in dataclasses.fields(DominoConfig)} <= parser_dests
+    # Stored as domino_<field>, so they never collide with Megatron-LM's own arguments.
+    assert {f"domino_{f.name}" for f in dataclasses.fields(DominoConfig)} <= parser_dests
 
 
 def test_defaults_and_off():
