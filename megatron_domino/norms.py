@@ -26,6 +26,12 @@ class SequenceParallelTorchNorm:
             raise ValueError(
                 f"normalization {config.normalization!r} is not one of {sorted(_NORMS)}"
             )
+        if config.layernorm_zero_centered_gamma or config.memory_efficient_layer_norm:
+            raise ValueError(
+                "this torch norm has no zero-centred gamma (--apply-layernorm-1p) and no "
+                "memory-efficient variant (--memory-efficient-layer-norm); those need Apex's "
+                "or Transformer Engine's norms (on a GPU)"
+            )
         norm = _NORMS[config.normalization](normalized_shape=hidden_size, eps=eps)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel

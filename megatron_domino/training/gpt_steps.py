@@ -69,7 +69,7 @@ def _get_batch(data_iterator) -> dict[str, torch.Tensor | None]:
     batch = {}
     if tp_rank == 0:
         raw = next(data_iterator)
-        batch = {key: raw[key].cuda(non_blocking=True) for key in _BATCH_KEYS if key in raw}
+        batch = {k: raw[k].cuda(non_blocking=True) if k in raw else None for k in _BATCH_KEYS}
     return get_batch_on_this_tp_rank(
         batch,
         has_cu_seqlens=False,

@@ -11,7 +11,9 @@ by step needs a per-iteration source. The hooks wrap two functions the loop look
   :class:`~megatron_domino.recorder.EventRecorder` in every model chunk's Domino runtime, and
   the overlap report is printed after them (:mod:`.domino_report`);
 * ``evaluate`` (inside ``evaluate_and_print_results``, which names the set): with
-  ``--log-json``, ``{"kind": "validation", "iteration", "loss"}`` (``"test"`` for the test set).
+  ``--log-json``, ``{"kind": "validation", "iteration", "loss", "final"}`` (``"test"`` for the
+  test set); ``final`` is true for the evaluations Megatron runs after the last iteration,
+  which repeat the last in-training one when ``--eval-interval`` divides ``--train-iters``.
 
 The loss is the one ``train_step`` returns: Megatron's token-weighted mean over the global
 batch, known on the last pipeline stage, so the last rank writes the file (it is on the last
@@ -84,7 +86,7 @@ class LoopHooks:
         self._train_step = megatron_training.train_step
         self._evaluate = megatron_training.evaluate
         self._evaluate_and_print_results = megatron_training.evaluate_and_print_results
-        self._evaluating: tuple[str, int] | None = None
+        self._evaluating: tuple[str, int, bool] | None = None
 
     def patches(self) -> tuple[Patch, ...]:
         return (
@@ -145,7 +147,8 @@ class LoopHooks:
         and ``... on test set`` after it; ``iteration`` is the fifth positional argument.
         """
         iteration = args[3] if len(args) > 3 else kwargs["iteration"]
-        self._evaluating = ("test" if "test set" in prefix else "validation", iteration)
+        kind = "test" if "test set" in prefix else "validation"
+        self._evaluating = (kind, iteration, prefix.endswith(" set"))
         try:
             return self._evaluate_and_print_results(prefix, *args, **kwargs)
         finally:
@@ -155,6 +158,7 @@ class LoopHooks:
         """Megatron's ``evaluate``; its mean loss recorded with the set and iteration."""
         result = self._evaluate(*args, **kwargs)
         if self._evaluating is not None and "lm loss" in result[0]:
-            kind, iteration = self._evaluating
-            self.write({"kind": kind, "iteration": iteration, "loss": float(result[0]["lm loss"])})
+            kind, iteration, final = self._evaluating
+            loss = float(result[0]["lm loss"])
+            self.write({"kind": kind, "iteration": iteration, "loss": loss, "final": final})
         return result
