@@ -1,7 +1,8 @@
 #!/bin/bash
 # A/B comparison: the same training run twice, back to back, without and with --domino (all
 # other settings identical, same seed and data), then examples/ab_report.py reads both JSON logs
-# and writes AB_DIR/table.md, AB_DIR/ab.json and AB_DIR/ab.png.
+# (and Megatron-LM's TFLOP/s/GPU from each run's train.log) and writes AB_DIR/table.md,
+# AB_DIR/ab.json and AB_DIR/ab.png.
 #
 #   MODEL=gpt3-13b MOCK=1 sbatch --nodes=1 examples/ab_compare.sh          # srun, one task per GPU
 #   LAUNCHER=torchrun MODEL=llama2-7b MOCK=1 sbatch examples/ab_compare.sh  # srun torchrun per node
@@ -58,10 +59,12 @@ domino_setting="p=$DOMINO_CHUNKS k=$DOMINO_COLUMN_CHUNKS"
 REPORT_CMD=("$PYTHON" "$RECIPE_EXAMPLES_DIR/ab_report.py"
     --baseline "$AB_DIR/baseline/log.jsonl" --domino "$AB_DIR/domino/log.jsonl"
     --out-dir "$AB_DIR" --gpus "$WORLD_SIZE" ${WARMUP_ITERS:+--warmup "$WARMUP_ITERS"}
+    --tokens-per-iteration "$((GLOBAL_BATCH_SIZE * MODEL_CFG[SEQ_LENGTH]))"
     ${SYSTEM:+--meta "system=$SYSTEM"} --meta "model=$MODEL_NAME" --meta "nodes=$NNODES"
     --meta "precision=$([[ $BF16 == 1 ]] && echo bf16 || echo fp32)"
     --meta "micro_batch_size=$MICRO_BATCH_SIZE" --meta "global_batch_size=$GLOBAL_BATCH_SIZE"
-    --meta "seq_length=${MODEL_CFG[SEQ_LENGTH]}" --meta "tp=$TP" --meta "pp=1"
+    --meta "seq_length=${MODEL_CFG[SEQ_LENGTH]}" --meta "tp=$TP" --meta "pp=$PP"
+    --meta "sequence_parallel=$SEQUENCE_PARALLEL" --meta "transformer_impl=$TRANSFORMER_IMPL"
     --meta "launcher=$LAUNCHER" --meta "domino=$domino_setting")
 if ((DRY_RUN)); then
     echo "# report"

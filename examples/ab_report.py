@@ -1,20 +1,24 @@
 """Compare a baseline run and a ``--domino`` run: a Markdown table, a JSON file and a plot.
 
     python examples/ab_report.py --baseline A/log.jsonl --domino B/log.jsonl --gpus 8 \\
-        --out-dir ab_results [--warmup N] [--meta key=value ...]
+        --tokens-per-iteration 65536 --out-dir ab_results [--warmup N] [--meta key=value ...]
 
 ``examples/ab_compare.sh`` runs both arms and calls this; it also works on any two runs of
 ``pretrain_gpt_domino.py``. Each log is either
 
 * the ``--log-json`` file (one JSON object per iteration, unaveraged; preferred), or
-* the run's text output, whose iteration lines (Megatron-LM's layout) average over
+* the run's text output, whose iteration lines (Megatron-LM's own) average over
   ``--log-interval`` iterations; each line then counts as one sample.
 
 The first ``--warmup`` iterations of each log are left out (default: 10 % of them, at least
-one). ms/iteration is the median of the rest (with min and max as the spread). tokens/s/GPU and
-TFLOP/s/GPU divide the tokens and model FLOPs of one iteration, as the run logged them
-(Megatron-LM's GPT FLOP formula, ``megatron_domino/training/flops.py``), by that median time, so
-the speedup (baseline median / Domino median) is also the throughput ratio.
+one). ms/iteration is the median of the rest (with min and max as the spread). tokens/s/GPU
+divides ``--tokens-per-iteration`` (global batch x sequence length) by that median time and the
+GPUs. TFLOP/s/GPU divides the model FLOPs of one iteration by it: Megatron-LM's own count (its
+GPT formula, ``num_floating_point_operations`` in ``megatron/training/training.py``), recovered
+from the ``throughput per GPU (TFLOP/s/GPU)`` of its iteration lines (``--log-throughput``)
+times their iteration time; for a ``--log-json`` file those lines are read from ``train.log``
+beside it. Both use the same median time, so the speedup (baseline median / Domino median) is
+also the throughput ratio.
 
 Writes ``table.md``, ``ab.json`` and, if matplotlib is installed, ``ab.png`` into ``--out-dir``.
 Needs only the standard library (and matplotlib for the plot).
@@ -37,11 +41,13 @@ from pathlib import Path
 
 ARMS = ("baseline", "domino")
 
-#: One iteration line of pretrain_gpt_domino.py (megatron_domino/training/reporting.py).
+#: One iteration line of Megatron-LM's training loop (``training_log`` in
+#: ``megatron/training/training.py``): `` iteration  N/ M | consumed samples: ... | elapsed time
+#: per iteration (ms): ... | throughput per GPU (TFLOP/s/GPU): ... | ... | lm loss: ... |``.
 TEXT_LINE = re.compile(
-    r"iteration\s+(?P<iteration>\d+)/\s*\d+ \|"
-    r" elapsed time per iteration \(ms\): (?P<ms>[\d.]+) \|"
-    r"(?: tokens/s: (?P<tokens>[\d.]+) \| throughput per GPU \(TFLOP/s/GPU\): (?P<tflops>[-+\d.eE]+) \|)?"
+    r"\biteration\s+(?P<iteration>\d+)/\s*\d+ \|"
+    r".*? elapsed time per iteration \(ms\): (?P<ms>[\d.]+) \|"
+    r"(?: throughput per GPU \(TFLOP/s/GPU\): (?P<tflops>[-+\d.eE]+) \|)?"
     r".*? lm loss: (?P<loss>[-+\d.Ee]+|nan|inf) \|"
 )
 
@@ -56,7 +62,6 @@ class Step:
 
     iteration: int
     seconds: float
-    tokens_per_s: float | None
     tflops_per_gpu: float | None
     loss: float
 
@@ -91,8 +96,7 @@ def _read_json(path: Path, lines: list[str]) -> list[Step]:
                 Step(
                     iteration=int(record["iteration"]),
                     seconds=float(record["seconds"]),
-                    tokens_per_s=record.get("tokens_per_s"),
-                    tflops_per_gpu=record.get("tflops_per_gpu"),
+                    tflops_per_gpu=None,
                     loss=float(record["loss"]),
                 )
             )
@@ -104,12 +108,11 @@ def _read_text(lines: list[str]) -> list[Step]:
     for line in lines:
         match = TEXT_LINE.search(line)
         if match:
-            tokens, tflops = match["tokens"], match["tflops"]
+            tflops = match["tflops"]
             steps.append(
                 Step(
                     iteration=int(match["iteration"]),
                     seconds=float(match["ms"]) / 1e3,
-                    tokens_per_s=float(tokens) if tokens else None,
                     tflops_per_gpu=float(tflops) if tflops else None,
                     loss=float(match["loss"]),
                 )
@@ -117,12 +120,27 @@ def _read_text(lines: list[str]) -> list[Step]:
     return steps
 
 
+def tflop_per_gpu_iteration(path: Path, steps: list[Step]) -> float | None:
+    """Model TFLOP per GPU in one iteration, from Megatron-LM's iteration lines: in ``steps``
+    (a text log), else in ``train.log`` beside ``path`` (a ``--log-json`` file). ``None`` without
+    ``--log-throughput``, or when its rounding (one decimal) leaves nothing: a CPU run's 0.0."""
+    lines = [step for step in steps if step.tflops_per_gpu is not None]
+    beside = path.with_name("train.log")
+    if not lines and beside != path and beside.is_file():
+        text = beside.read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = [step for step in _read_text(text) if step.tflops_per_gpu is not None]
+    tflop = [step.tflops_per_gpu * step.seconds for step in lines]
+    return statistics.median(tflop) if tflop and max(tflop) > 0 else None
+
+
 def default_warmup(steps: list[Step]) -> int:
     """10 % of the iterations the log covers, at least one."""
     return max(1, (steps[-1].iteration - steps[0].iteration + 1) // 10)
 
 
-def summarize(path: Path, steps: list[Step], *, warmup: int, gpus: int) -> dict:
+def summarize(
+    path: Path, steps: list[Step], *, warmup: int, gpus: int, tokens_per_iteration: int | None
+) -> dict:
     """Median time and throughput of the steps after the first ``warmup`` iterations."""
     cutoff = steps[0].iteration - 1 + warmup
     measured = [step for step in steps if step.iteration > cutoff]
@@ -147,12 +165,11 @@ def summarize(path: Path, steps: list[Step], *, warmup: int, gpus: int) -> dict:
         "losses": {str(step.iteration): step.loss for step in steps},
         "seconds": {str(step.iteration): step.seconds for step in steps},
     }
-    # Tokens and FLOPs per iteration are the same every iteration; recover them from the log.
-    if all(step.tokens_per_s is not None for step in measured):
-        tokens = statistics.median(step.tokens_per_s * step.seconds for step in measured)
-        summary["tokens_per_s_per_gpu"] = tokens / median_s / gpus
-    if all(step.tflops_per_gpu is not None for step in measured):
-        tflop = statistics.median(step.tflops_per_gpu * step.seconds for step in measured)
+    # Tokens and FLOPs are the same every iteration (a fixed global batch).
+    if tokens_per_iteration:
+        summary["tokens_per_s_per_gpu"] = tokens_per_iteration / median_s / gpus
+    tflop = tflop_per_gpu_iteration(path, steps)
+    if tflop is not None:
         summary["tflops_per_gpu"] = tflop / median_s
     command = _command_beside(path)
     if command:
@@ -190,7 +207,7 @@ def provenance() -> dict:
     """Commit, versions and machine, recorded beside the numbers."""
     repo = Path(__file__).resolve().parent.parent
     info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
         "python": platform.python_version(),
         "commit": _run(["git", "-C", str(repo), "rev-parse", "HEAD"]),
@@ -255,7 +272,12 @@ def markdown_table(result: dict) -> str:
         "",
         f"Medians over iterations {base['iterations'][0]}-{base['iterations'][1]} of each run "
         f"({result['warmup_iterations']} warm-up iteration(s) left out). TFLOP/s/GPU: "
-        "Megatron-LM's GPT model-FLOP formula (megatron_domino/training/flops.py).",
+        "Megatron-LM's own model-FLOP count (--log-throughput), over the median time"
+        + (
+            "."
+            if base["tflops_per_gpu"] is not None
+            else "; '-': not in the logs, or rounded to 0.0 there (a CPU run)."
+        ),
     ]
     if parity["max_abs_diff"] is not None:
         notes.append(
@@ -337,13 +359,28 @@ def plot(path: Path, result: dict) -> Path | None:
 
 
 def build_result(
-    baseline: Path, domino: Path, *, gpus: int, warmup: int | None, meta: dict[str, str]
+    baseline: Path,
+    domino: Path,
+    *,
+    gpus: int,
+    warmup: int | None,
+    meta: dict[str, str],
+    tokens_per_iteration: int | None = None,
 ) -> dict:
     """Read both logs and compute everything the table, JSON and plot show."""
     paths = {"baseline": baseline, "domino": domino}
     steps = {arm: read_log(paths[arm]) for arm in ARMS}
     warmup = default_warmup(steps["baseline"]) if warmup is None else warmup
-    arms = {arm: summarize(paths[arm], steps[arm], warmup=warmup, gpus=gpus) for arm in ARMS}
+    arms = {
+        arm: summarize(
+            paths[arm],
+            steps[arm],
+            warmup=warmup,
+            gpus=gpus,
+            tokens_per_iteration=tokens_per_iteration,
+        )
+        for arm in ARMS
+    }
     speedup = (
         arms["baseline"]["ms_per_iteration"]["median"]
         / arms["domino"]["ms_per_iteration"]["median"]
@@ -351,6 +388,7 @@ def build_result(
     return {
         "meta": meta,
         "gpus": gpus,
+        "tokens_per_iteration": tokens_per_iteration,
         "warmup_iterations": warmup,
         "speedup": speedup,
         "arms": arms,
@@ -384,6 +422,14 @@ def main(argv: list[str] | None = None) -> int:
         "--gpus", type=int, required=True, help="Ranks (GPUs) of each run, for tokens/s/GPU."
     )
     parser.add_argument(
+        "--tokens-per-iteration",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Tokens of one iteration (global batch x sequence length), for tokens/s/GPU. "
+        "Without it that column is empty.",
+    )
+    parser.add_argument(
         "--out-dir", type=Path, default=Path("ab_results"), help="Default: ab_results."
     )
     parser.add_argument(
@@ -404,9 +450,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.gpus < 1 or (args.warmup is not None and args.warmup < 0):
         parser.error("--gpus must be >= 1 and --warmup >= 0.")
+    if args.tokens_per_iteration is not None and args.tokens_per_iteration < 1:
+        parser.error("--tokens-per-iteration must be >= 1.")
     try:
         result = build_result(
-            args.baseline, args.domino, gpus=args.gpus, warmup=args.warmup, meta=dict(args.meta)
+            args.baseline,
+            args.domino,
+            gpus=args.gpus,
+            warmup=args.warmup,
+            meta=dict(args.meta),
+            tokens_per_iteration=args.tokens_per_iteration,
         )
     except ReportError as err:
         print(f"ab_report.py: error: {err}", file=sys.stderr)

@@ -1,6 +1,7 @@
 #!/bin/bash
 # Pretrain a GPT model with pretrain_gpt_domino.py under SLURM, one task per GPU: srun starts
-# NNODES x 8 processes and each takes its rank from SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID.
+# NNODES x GPUS_PER_NODE processes (GPUs per node: the job's, from SLURM) and each takes its rank
+# from SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID.
 #
 #   sbatch --nodes=2 examples/pretrain_gpt_srun.sh                  # from the repository root
 #   MODEL=llama2-7b DOMINO=1 MOCK=1 sbatch examples/pretrain_gpt_srun.sh

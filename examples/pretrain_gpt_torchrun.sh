@@ -1,7 +1,8 @@
 #!/bin/bash
 # Pretrain a GPT model with pretrain_gpt_domino.py under SLURM, one task per node: srun starts
-# torchrun on each node, torchrun starts 8 ranks there, and the c10d rendezvous on the first
-# node numbers them (RANK, WORLD_SIZE, LOCAL_RANK), so every node runs the same command.
+# torchrun on each node, torchrun starts a rank per GPU there (GPUS_PER_NODE: the job's, from
+# SLURM), and the c10d rendezvous on the first node numbers them (RANK, WORLD_SIZE, LOCAL_RANK),
+# so every node runs the same command.
 #
 #   sbatch --nodes=2 examples/pretrain_gpt_torchrun.sh               # from the repository root
 #   MODEL=llama2-7b DOMINO=1 MOCK=1 sbatch examples/pretrain_gpt_torchrun.sh

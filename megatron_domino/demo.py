@@ -3,21 +3,26 @@
 1. Prepare the demo corpus (the Python standard library's own sources) into a SentencePiece
    tokenizer and a Megatron ``.bin/.idx`` dataset under ``data_cache/``; a second run reuses it.
 2. Launch ``torchrun --nproc-per-node 2 pretrain_gpt_domino.py ... --domino --domino-report``
-   exactly as a user would, streaming its log: a 4-layer, h=256 GPT (RMSNorm, SwiGLU, RoPE)
-   split over two gloo ranks, with Domino hiding the tensor-parallel all-reduces, trained until
-   the loss has clearly fallen, with a checkpoint saved under ``runs/demo/``. The overlap report
-   (:mod:`megatron_domino.overlap_report`) is printed after iterations 2 to 4.
+   exactly as a user would: Megatron-LM's own ``pretrain()`` with its own flags
+   (``--tokenizer-type SentencePieceTokenizer --tokenizer-model ... --data-path ...``), plus the
+   CPU replacements of Megatron-LM's GPU defaults (:data:`CPU_ARGS`). A 4-layer, h=256 GPT
+   (RMSNorm, SwiGLU, RoPE) is split over two gloo ranks, with Domino hiding the
+   tensor-parallel all-reduces, trained until the loss has clearly fallen, and saved under
+   ``runs/demo/``. The overlap report (:mod:`megatron_domino.overlap_report`) is printed after
+   iterations 2 to 4. The log is streamed, less Megatron's listing of all its arguments.
 3. Print the first and last loss, throughput, how much communication Domino hid (the last
    overlap report's totals) and wall time, read back from the run's ``--log-json`` record.
 
-It takes about five minutes on two cores. Flags given to the demo are appended to the
-training flags and win over them (``python -m megatron_domino.demo --train-iters 20``).
+It takes about four minutes on two idle cores (the training run 3 to 4, plus under a minute
+to prepare the data the first time). Flags given to the demo are appended to the training
+flags and win over them (``python -m megatron_domino.demo --train-iters 20``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,12 +34,26 @@ from megatron_domino.data.corpus import stdlib_corpus
 from megatron_domino.data.prepare import PreparedData, SentencePieceSettings, prepare
 from megatron_domino.overlap_report import headline
 
+#: The training script of this checkout (the package is installed editable from it).
 SCRIPT = Path(__file__).resolve().parent.parent / "pretrain_gpt_domino.py"
 DATA_DIR = Path("data_cache") / "stdlib"
 RUN_DIR = Path("runs") / "demo"
 TENSOR_PARALLEL_SIZE = 2
 #: A smaller vocabulary than a real model's keeps the output layer from dominating the cost.
 VOCAB_SIZE = 8000
+
+#: Megatron-LM's GPU defaults replaced for the CPU (the same as the test suite's
+#: ``tests/launch.py``): gloo instead of NCCL; Megatron-Core's own layers instead of
+#: Transformer Engine's; no Apex persistent LayerNorm, fused weight-gradient accumulation,
+#: fused masked softmax (a CUDA extension) or TE's fused RoPE.
+CPU_ARGS = [
+    "--distributed-backend", "gloo",
+    "--transformer-impl", "local",
+    "--no-persist-layer-norm",
+    "--no-gradient-accumulation-fusion",
+    "--no-masked-softmax-fusion",
+    "--no-rope-fusion",
+]  # fmt: skip
 
 #: Domino on, and its overlap report on the iterations after the first.
 EXTRA_FLAGS: list[str] = ["--domino", "--domino-report"]
@@ -44,6 +63,7 @@ GPT_MODEL_ARGS = [
     "--hidden-size", "256",
     "--num-attention-heads", "8",
     "--seq-length", "256",
+    "--max-position-embeddings", "256",
     "--normalization", "RMSNorm",
     "--swiglu",
     "--position-embedding-type", "rope",
@@ -70,7 +90,10 @@ EVAL_AND_LOGGING_ARGS = [
     "--log-interval", "5",
     "--log-throughput",
     "--log-json", str(RUN_DIR / "log.jsonl"),
+]  # fmt: skip
+CHECKPOINT_ARGS = [
     "--save", str(RUN_DIR / "checkpoints"),
+    "--save-interval", "100",
 ]  # fmt: skip
 
 #: Messages Megatron-Core prints on every CPU run (and again in its checkpoint writer's
@@ -81,6 +104,20 @@ QUIET_WARNINGS = (
     "When using async grad allreduce it is recommended",
     "full scope is deprecated",
 )
+
+#: Megatron-LM prints every argument (several hundred lines) between these two lines.
+ARGUMENTS_BEGIN = "------------------------ arguments ------------------------"
+ARGUMENTS_END = "-------------------- end of arguments ---------------------"
+
+
+def training_script() -> Path:
+    """``pretrain_gpt_domino.py`` of this checkout; a clear error when it is not there."""
+    if not SCRIPT.is_file():
+        raise FileNotFoundError(
+            f"{SCRIPT} not found: the demo runs from a checkout of megatron-domino "
+            "(pip install -e .), not from an installed wheel."
+        )
+    return SCRIPT
 
 
 def data_args(data: PreparedData) -> list[str]:
@@ -93,19 +130,64 @@ def data_args(data: PreparedData) -> list[str]:
     ]  # fmt: skip
 
 
-def training_command(data: PreparedData, extra: Sequence[str]) -> list[str]:
-    """The torchrun command line of the demo's training run."""
-    flags = [
+def training_flags(data: PreparedData, extra: Sequence[str]) -> list[str]:
+    """The demo's ``pretrain_gpt_domino.py`` flags; ``extra`` last, so its values win."""
+    return [
+        *CPU_ARGS,
         *GPT_MODEL_ARGS,
         *TRAINING_ARGS,
         *MODEL_PARALLEL_ARGS,
         *data_args(data),
         *EVAL_AND_LOGGING_ARGS,
+        *CHECKPOINT_ARGS,
         *EXTRA_FLAGS,
         *extra,
     ]
+
+
+def training_command(flags: Sequence[str]) -> list[str]:
+    """The torchrun command line of the demo's training run."""
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return [*torchrun, "--nproc-per-node", str(TENSOR_PARALLEL_SIZE), str(SCRIPT), *flags]
+    nproc = ["--nproc-per-node", str(TENSOR_PARALLEL_SIZE)]
+    return [*torchrun, *nproc, str(training_script()), *flags]
+
+
+def flag_value(flags: Sequence[str], name: str) -> str:
+    """The value of ``name`` in ``flags`` as argparse sees it: the last one given."""
+    values = [flags[i + 1] for i, flag in enumerate(flags[:-1]) if flag == name]
+    values += [flag.split("=", 1)[1] for flag in flags if flag.startswith(name + "=")]
+    if not values:
+        raise KeyError(name)
+    return values[-1]
+
+
+def training_environment() -> dict[str, str]:
+    return {
+        **os.environ,
+        # The demo is the CPU one; a GPU here would change what it runs and measures.
+        "CUDA_VISIBLE_DEVICES": "",
+        # Megatron-LM asserts it with TP > 1 (on a GPU: kernels start in launch order).
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONWARNINGS": ",".join(f"ignore:{message}" for message in QUIET_WARNINGS),
+    }
+
+
+def stream(command: Sequence[str], env: dict[str, str]) -> int:
+    """Run ``command``, printing its output but Megatron's argument listing; its status."""
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as process:
+        in_arguments = False
+        for line in process.stdout:
+            if ARGUMENTS_BEGIN in line:
+                in_arguments = True
+                print("[demo] (Megatron-LM's listing of its arguments left out)", flush=True)
+            elif ARGUMENTS_END in line:
+                in_arguments = False
+            elif not in_arguments:
+                print(line, end="", flush=True)
+    return process.returncode
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -126,28 +208,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_json = RUN_DIR / "log.jsonl"
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     log_json.unlink(missing_ok=True)  # the log appends; a new demo starts a new record
-    command = training_command(data, extra)
+    shutil.rmtree(RUN_DIR / "checkpoints", ignore_errors=True)  # and a new checkpoint
+    flags = training_flags(data, extra)
+    command = training_command(flags)
     print("[demo] " + " ".join(command), flush=True)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        "PYTHONWARNINGS": ",".join(f"ignore:{message}" for message in QUIET_WARNINGS),
-    }
-    status = subprocess.run(command, env=env, check=False).returncode
+    status = stream(command, training_environment())
     if status != 0:
         print(f"[demo] training failed with exit status {status}", file=sys.stderr)
         return status
-    print(summary(log_json, wall_seconds=time.monotonic() - started))
+    tokens = int(flag_value(flags, "--global-batch-size")) * int(flag_value(flags, "--seq-length"))
+    print(summary(log_json, tokens_per_iteration=tokens, wall_seconds=time.monotonic() - started))
     return 0
 
 
-def summary(log_json: Path, *, wall_seconds: float) -> str:
+def summary(log_json: Path, *, tokens_per_iteration: int, wall_seconds: float) -> str:
     """The demo's closing lines, computed from the run's JSON-lines record."""
     records = [json.loads(line) for line in log_json.read_text().splitlines()]
     steps = [r for r in records if r["kind"] == "train"]
     validation = [r for r in records if r["kind"] == "validation"]
     overlap = [r for r in records if r["kind"] == "domino_report"]
-    throughput = statistics.median(r["tokens_per_s"] for r in steps[1:] or steps)
+    seconds = statistics.median(r["seconds"] for r in steps[1:] or steps)
     lines = [
         "",
         "[demo] done",
@@ -157,12 +237,13 @@ def summary(log_json: Path, *, wall_seconds: float) -> str:
     if validation:
         lines.append(f"  validation loss: {validation[-1]['loss']:.3f}")
     lines += [
-        f"  throughput: {throughput:.0f} tokens/s (median over iterations after the first)",
+        f"  throughput: {tokens_per_iteration / seconds:.0f} tokens/s, {seconds * 1e3:.0f} ms "
+        "per iteration (median over iterations after the first, both ranks together)",
     ]
     if overlap:
         lines.append(
             f"  Domino: {headline(overlap[-1])}; recorded on iteration "
-            f"{overlap[-1]['iteration']}, rank 0, {overlap[-1]['clock']}"
+            f"{overlap[-1]['iteration']}, last rank, {overlap[-1]['clock']}"
         )
     lines += [
         f"  wall time: {wall_seconds / 60:.1f} min including data preparation",

@@ -6,10 +6,14 @@
         --data-path DIR/text_document --tokenizer-type SentencePieceTokenizer \\
         --tokenizer-model DIR/tokenizer.model
 
-Both arms are ``torchrun --nproc-per-node N pretrain_gpt_domino.py`` with the same flags (so
-the same seed, data order and initial weights); the Domino arm adds ``--domino`` and
-``--domino-flags``. Each arm's ``--log-json`` gives its loss curve. Writes, under
-``--output-dir`` (default ``loss_parity/``):
+Both arms are ``torchrun --nproc-per-node N pretrain_gpt_domino.py`` (Megatron-LM's own
+``pretrain()`` and flags) with the same flags (so the same seed, data order and initial
+weights); the Domino arm adds ``--domino`` and ``--domino-flags``. Each arm's ``--log-json``
+gives its per-iteration loss curve (Megatron's own log lines average over ``--log-interval``).
+The defaults use Megatron-Core's local layers (``--transformer-impl local``) and, on a machine
+without CUDA, the CPU replacements of Megatron-LM's other GPU defaults
+(:data:`megatron_domino.demo.CPU_ARGS`). Writes, under ``--output-dir`` (default
+``loss_parity/``):
 
 * ``loss_parity.json``: both curves, the largest absolute and relative difference and where,
   the flags, and the commit, versions and machine;
@@ -24,8 +28,9 @@ own business and are refused.
 
 What to expect: Domino runs the same arithmetic on batch chunks, so in fp32 with dropout 0
 the curves differ only by the summation order of GEMMs on smaller batches. Measured with the
-defaults (30 iterations on CPU): at most 4.8e-7, one fp32 ulp at a loss of 6.5, on 4 of 30
-iterations; the others are bit-identical. With dropout or bf16 expect larger differences that
+defaults (30 iterations on CPU, Megatron-LM's loop, megatron-core 0.19.2, loss 6.25 -> 5.50):
+at most 9.5e-7, two fp32 ulps at a loss of 5.5 (iteration 29), on 5 of 30 iterations (the
+other four differences are one ulp); the other 25 are bit-identical. With dropout or bf16 expect larger differences that
 stay within run-to-run noise. ``--tolerance`` turns the comparison into
 a pass/fail exit status.
 """
@@ -44,7 +49,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from megatron_domino.demo import QUIET_WARNINGS, SCRIPT
+import torch
+
+from megatron_domino.demo import CPU_ARGS, QUIET_WARNINGS, SCRIPT, training_script
 
 ARMS = ("baseline", "domino")
 
@@ -53,8 +60,10 @@ GPT_MODEL_ARGS = [
     "--hidden-size", "64",
     "--num-attention-heads", "4",
     "--seq-length", "64",
+    "--max-position-embeddings", "64",
     "--attention-dropout", "0",
     "--hidden-dropout", "0",
+    "--transformer-impl", "local",
 ]  # fmt: skip
 TRAINING_ARGS = [
     "--micro-batch-size", "4",
@@ -63,8 +72,16 @@ TRAINING_ARGS = [
     "--lr", "1e-3",
     "--lr-warmup-iters", "3",
     "--log-interval", "10",
+    # Megatron-LM 0.19 needs an --eval-interval; no evaluation (training losses are compared).
+    "--eval-interval", "1000",
+    "--eval-iters", "0",
 ]  # fmt: skip
 MODEL_PARALLEL_ARGS = ["--tensor-model-parallel-size", "2"]
+
+
+def platform_args() -> list[str]:
+    """The CPU replacements of Megatron-LM's GPU defaults, on a machine without CUDA."""
+    return [] if torch.cuda.is_available() else list(CPU_ARGS)
 
 
 def default_data_args(output_dir: Path) -> list[str]:
@@ -134,7 +151,14 @@ def arm_flags(
     """Each arm's full flag list: defaults, then the user's, then the arm's own."""
     names = {flag.split("=", 1)[0] for flag in training_flags}
     data = [] if "--data-path" in names else default_data_args(output_dir)
-    common = [*GPT_MODEL_ARGS, *TRAINING_ARGS, *MODEL_PARALLEL_ARGS, *data, *training_flags]
+    common = [
+        *platform_args(),
+        *GPT_MODEL_ARGS,
+        *TRAINING_ARGS,
+        *MODEL_PARALLEL_ARGS,
+        *data,
+        *training_flags,
+    ]
     return {
         "baseline": [*common, "--log-json", str(output_dir / "baseline.jsonl")],
         "domino": [
@@ -149,7 +173,7 @@ def arm_flags(
 
 def launch_command(nproc: int, flags: list[str]) -> list[str]:
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return [*torchrun, "--nproc-per-node", str(nproc), str(SCRIPT), *flags]
+    return [*torchrun, "--nproc-per-node", str(nproc), str(training_script()), *flags]
 
 
 def run_arm(name: str, command: list[str], log_path: Path) -> None:
@@ -157,6 +181,8 @@ def run_arm(name: str, command: list[str], log_path: Path) -> None:
     print(f"[loss-parity] {name}: {shlex.join(command)}", flush=True)
     env = {
         **os.environ,
+        # Megatron-LM asserts it with TP > 1 (on a GPU: kernels start in launch order).
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
         "PYTHONWARNINGS": ",".join(f"ignore:{message}" for message in QUIET_WARNINGS),
     }
@@ -226,7 +252,7 @@ def provenance() -> dict:
 
     status = git("status", "--porcelain")
     info = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),

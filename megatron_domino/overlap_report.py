@@ -192,15 +192,18 @@ def warning_lines(spans: list[CollectiveSpan]) -> list[str]:
     return lines
 
 
-def report_lines(spans: list[CollectiveSpan], *, iteration: int, clock: str) -> list[str]:
+def report_lines(
+    spans: list[CollectiveSpan], *, iteration: int, clock: str, rank: int
+) -> list[str]:
     """The report of one iteration: a per-layer table, totals, then any warnings.
 
     Args:
         spans: the iteration's collectives, from :func:`~megatron_domino.overlap.collective_spans`.
         iteration: shown in the title.
         clock: what the times measure, e.g. ``wall clock`` or ``CUDA events``.
+        rank: the global rank whose collectives these are.
     """
-    title = f"[domino-report] iteration {iteration} ({clock}, rank 0)"
+    title = f"[domino-report] iteration {iteration} ({clock}, rank {rank})"
     if not spans:
         return [f"{title}: no Domino collectives were recorded"]
     totals = report_totals(spans)

@@ -4,10 +4,14 @@ report printed by a real TP = 2 training run."""
 from __future__ import annotations
 
 import json
+import sys
 from types import SimpleNamespace
 
+import megatron.training
 import pytest
+import torch
 from launch import TINY_GPT, run_pretrain
+from megatron.training import arguments as megatron_arguments
 
 from megatron_domino.overlap import CollectiveSpan
 from megatron_domino.overlap_report import (
@@ -20,8 +24,8 @@ from megatron_domino.overlap_report import (
     warning_lines,
 )
 from megatron_domino.recorder import NULL_RECORDER, EventRecorder
-from megatron_domino.training.arguments import ArgumentsError, build_parser, validate_args
-from megatron_domino.training.domino_report import DominoOverlapReport, reported_iterations
+from megatron_domino.training import pretrain as entry
+from megatron_domino.training.domino_report import DominoOverlapReport
 
 OVERLAPPED = (("attention_core", 0, 1, 0),)
 
@@ -104,7 +108,7 @@ def test_layer_rows_and_totals_add_up():
 def test_the_last_collective_of_each_pass_is_not_warned_about():
     spans = one_step()
     assert not_hidden(spans) == [] and warning_lines(spans) == []
-    text = "\n".join(report_lines(spans, iteration=7, clock="wall clock"))
+    text = "\n".join(report_lines(spans, iteration=7, clock="wall clock", rank=0))
     assert "WARNING" not in text
     assert "by design: layer 1 fwd mlp_ar chunk 1, layer 0 bwd attention_dgrad_ar chunk 1" in text
 
@@ -115,7 +119,7 @@ def test_a_collective_that_hid_nothing_gets_a_loud_line_of_its_own():
         "WARNING: layer 1 fwd mlp_ar chunk 0 hid nothing "
         "(no other chunk's compute ran while it flew)"
     ]
-    lines = report_lines(spans, iteration=7, clock="wall clock")
+    lines = report_lines(spans, iteration=7, clock="wall clock", rank=0)
     assert lines[-1].startswith("WARNING: layer 1 fwd mlp_ar chunk 0")
     assert report_totals(spans)["not_hidden"] == 1
 
@@ -150,37 +154,52 @@ def test_column_pieces_are_named_in_warnings():
 
 def test_forward_only_recording_says_why_backward_is_missing():
     spans = [s for s in one_step() if s.direction == "fwd"]
-    text = "\n".join(report_lines(spans, iteration=2, clock="CUDA events"))
+    text = "\n".join(report_lines(spans, iteration=2, clock="CUDA events", rank=0))
     assert "(CUDA events, rank 0)" in text and "no backward collectives recorded" in text
     assert headline(report_totals(spans)).endswith("(fwd 75.0%)")
-    assert report_lines([], iteration=2, clock="wall clock") == [
+    assert report_lines([], iteration=2, clock="wall clock", rank=0) == [
         "[domino-report] iteration 2 (wall clock, rank 0): no Domino collectives were recorded"
     ]
 
 
-def test_reported_iterations_skip_the_warm_up():
-    assert list(reported_iterations(1, 100, 3)) == [2, 3, 4]
-    assert list(reported_iterations(11, 12, 3)) == [12]  # resumed at 10, two iterations left
-    assert list(reported_iterations(1, 1, 3)) == [1]  # a one-iteration run reports that one
+def reported(first: int, train_iters: int, count: int, monkeypatch) -> list[int]:
+    """The iterations a report of ``count`` records in a run from ``first`` to ``train_iters``."""
+    monkeypatch.setattr(
+        megatron.training, "get_args", lambda: SimpleNamespace(train_iters=train_iters)
+    )
+    report = DominoOverlapReport(lambda: [], count)
+    return [i for i in range(first, train_iters + 1) if report._reported(i)]
 
 
-def test_the_recorder_is_attached_only_for_reported_steps():
-    runtime = SimpleNamespace(recorder=NULL_RECORDER)
-    printed = []
-    reporter = SimpleNamespace(domino_report=lambda i, lines, totals: printed.append(i))
-    report = DominoOverlapReport(runtime, range(2, 4), reporter)
-    seen = {}
+def test_reported_iterations_skip_the_warm_up(monkeypatch):
+    assert reported(1, 100, 3, monkeypatch) == [2, 3, 4]
+    assert reported(11, 12, 3, monkeypatch) == [12]  # resumed at 10, two iterations left
+    assert reported(1, 1, 3, monkeypatch) == [1]  # a one-iteration run reports that one
+
+
+def test_the_recorder_is_attached_only_for_reported_steps(monkeypatch, capsys):
+    monkeypatch.setattr(megatron.training, "get_args", lambda: SimpleNamespace(train_iters=4))
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
+    chunks = [SimpleNamespace(recorder=NULL_RECORDER), SimpleNamespace(recorder=NULL_RECORDER)]
+    report = DominoOverlapReport(lambda: chunks, 2)
+    seen, written = {}, []
     for iteration in (1, 2, 3, 4):
         with report.recording(iteration):
-            seen[iteration] = runtime.recorder
-        assert runtime.recorder is NULL_RECORDER
-        report.report(iteration)
-    assert seen[1] is seen[4] is NULL_RECORDER
-    assert isinstance(seen[2], EventRecorder) and isinstance(seen[3], EventRecorder)
-    assert seen[2] is not seen[3] and printed == [2, 3]
+            seen[iteration] = [chunk.recorder for chunk in chunks]
+        assert all(chunk.recorder is NULL_RECORDER for chunk in chunks)
+        report.report(iteration, written.append)
+    assert seen[1] == seen[4] == [NULL_RECORDER] * 2
+    assert isinstance(seen[2][0], EventRecorder) and seen[2][0] is seen[2][1]  # one per step
+    assert seen[2][0] is not seen[3][0]
+    assert [(r["kind"], r["iteration"]) for r in written] == [
+        ("domino_report", 2),
+        ("domino_report", 3),
+    ]
+    assert "[domino-report] iteration 3 (wall clock, rank 0): " in capsys.readouterr().out
     with pytest.raises(RuntimeError), report.recording(2):
         raise RuntimeError("a failed step")
-    assert runtime.recorder is NULL_RECORDER
+    assert all(chunk.recorder is NULL_RECORDER for chunk in chunks)
 
 
 BASE = (
@@ -190,14 +209,16 @@ BASE = (
 
 
 @pytest.mark.parametrize(("flags", "message"), [
-    (["--domino-report"], "--domino-report reports what Domino hid, and --domino is off"),
-    (["--domino", "--domino-report-iters", "2"], "--domino-report-iters needs --domino-report"),
-    (["--domino", "--domino-report", "--domino-report-iters", "0"], "must be >= 1"),
+    (["--domino-report"], "--domino-report reports Domino's overlap; add --domino."),
+    (["--domino", "--domino-report", "--domino-report-iters", "0"], "must be >= 1, got 0"),
 ])  # fmt: skip
-def test_report_flags_are_validated(flags, message):
-    args = build_parser().parse_args([*BASE, *flags])
-    with pytest.raises(ArgumentsError, match=message):
-        validate_args(args, world_size=2)
+def test_report_flags_are_checked_after_megatron_parses_them(flags, message, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt_domino.py", *BASE, *flags])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    args = megatron_arguments.parse_args(extra_args_provider=entry._extra_args)
+    with pytest.raises(entry.StartupError, match=message):
+        entry._script_checks(args)
 
 
 @pytest.mark.slow
@@ -209,15 +230,15 @@ def test_tp2_training_prints_the_report_and_logs_its_totals(tmp_path):
         cwd=tmp_path,
     )  # fmt: skip
     for iteration in (2, 3):
-        assert f"[domino-report] iteration {iteration} (wall clock, rank 0): " in output
+        # Printed by the last rank, which also writes --log-json.
+        assert f"[domino-report] iteration {iteration} (wall clock, rank 1): " in output
     assert "[domino-report] iteration 1 " not in output
     assert "[domino-report] iteration 4 " not in output
     for layer in (0, 1):
         for direction in ("fwd", "bwd"):
             assert f"      {layer}  {direction}            8  " in output  # 2 chunks x 2 AR x 2 mb
     assert "  total  all           32  " in output
-    assert "\nWARNING: " not in output, output
-    assert "Domino overlap (iteration 3): " in output
+    assert "\nWARNING: layer " not in output, output
     records = [json.loads(line) for line in log_json.read_text().splitlines()]
     reports = [r for r in records if r["kind"] == "domino_report"]
     assert [r["iteration"] for r in reports] == [2, 3]

@@ -1,15 +1,17 @@
 """The SLURM recipes in examples/: what they print is what pretrain_gpt_domino.py accepts.
 
 Every model config x launch style is run with DRY_RUN=1 (no srun, no SLURM needed); the
-printed launcher is checked, and the printed pretrain_gpt_domino.py flags go through the
-script's own parser (``build_parser``) and validation (``validate_args``) for the printed world
-size. With MOCK=1 validation reads no file and touches no GPU, so it runs in full: model
-shapes, TP divisibility, batch layout, Domino settings. With DATA_PATH/TOKENIZER_MODEL the
-flags are only parsed (validation would open the dataset and the SentencePiece model). Not
-checked here: that a model fits in GPU memory, and that a real srun accepts its options.
-One slow test runs the srun recipe for real on CPU, with a stand-in for srun that starts the
-ranks with SLURM's variables. ab_report.py is tested on logs written by the trainer's own
-Reporter, so a change of the log format shows up here.
+printed launcher is checked, and the printed pretrain_gpt_domino.py flags go through what the
+script runs before it initialises anything: Megatron-LM's own parser (``parse_args`` with the
+script's ``extra_args_provider``, so an unknown flag fails) and validation (``validate_args``,
+for the printed world size), then Domino's checks (``check_args``: chunk shapes, Transformer
+Engine rules) and the flags the script's GPT path refuses. Validation opens no file and needs
+no GPU (the GPU's architecture is answered as a Hopper's), so it runs in full for mock and
+real data alike. Not checked here: that a model fits in GPU memory, and that a real srun
+accepts its options. One slow test runs the srun recipe for real on CPU, with a stand-in for
+srun that starts the ranks with SLURM's variables, and reads its logs with ab_report.py, so a
+change of Megatron-LM's log format shows up here; ab_report.py's unit tests write their JSON
+records through the script's own ``--log-json`` hook.
 """
 
 from __future__ import annotations
@@ -22,11 +24,16 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+from megatron.core.models.common.embeddings import rope_utils
+from megatron.training import arguments as megatron_arguments
 
-from megatron_domino.training.arguments import ArgumentsError, build_parser, validate_args
-from megatron_domino.training.reporting import Reporter
+from megatron_domino.megatron_lm import check_args
+from megatron_domino.training import loop_hooks
+from megatron_domino.training import pretrain as entry
+from megatron_domino.training.gpt_steps import unsupported_flags
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
@@ -97,10 +104,29 @@ def read_model(name: str) -> dict[str, str]:
     return config
 
 
-def accepted(flags: list[str], *, world_size: int):
-    """Parse and validate like pretrain_gpt_domino.py does; raises on any rejected flag."""
-    args = build_parser().parse_args(flags)
-    validate_args(args, world_size=world_size)
+def parsed(flags: list[str], *, world_size: int, monkeypatch):
+    """Megatron-LM's parse of pretrain_gpt_domino.py's command line (``SystemExit`` on an
+    unknown flag), for rank 0 of ``world_size`` ranks; nothing is initialised."""
+    monkeypatch.setattr(sys, "argv", [str(REPO / "pretrain_gpt_domino.py"), *flags])
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    return megatron_arguments.parse_args(extra_args_provider=entry._extra_args)
+
+
+def accepted(flags: list[str], *, world_size: int, monkeypatch):
+    """Parse, validate and check like pretrain_gpt_domino.py does before it initialises
+    anything; raises on any rejected flag. (Its check that NCCL has a GPU is left out: the
+    recipes' runs are GPU runs.)"""
+    args = parsed(flags, world_size=world_size, monkeypatch=monkeypatch)
+    # validate_args asks the GPU's architecture; answered as a Hopper, as the CPU runtime does.
+    monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)
+    # The GPU nodes have Transformer Engine, this machine may not: its fused RoPE (Megatron-LM's
+    # default with RoPE) is stood in for, so that Domino's check can build the model config.
+    monkeypatch.setattr(rope_utils, "fused_apply_rotary_pos_emb", rope_utils.apply_rotary_pos_emb)
+    megatron_arguments.validate_args(args, dict(entry.ARGS_DEFAULTS))
+    assert unsupported_flags(args) == []
+    check_args(args)
     return args
 
 
@@ -110,7 +136,7 @@ def option(words: list[str], name: str) -> str:
 
 @pytest.mark.parametrize("style", sorted(SCRIPTS))
 @pytest.mark.parametrize("model", MODELS)
-def test_every_model_and_launch_style_prints_a_command_the_trainer_accepts(model, style):
+def test_every_model_and_launch_style_prints_a_command_megatron_accepts(model, style, monkeypatch):
     done = run_script(SCRIPTS[style], MODEL=model, MOCK="1", DOMINO="1", NNODES="2")
     [(launcher, flags)] = launches(done.stdout)
     assert exports(done.stdout)["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
@@ -125,7 +151,7 @@ def test_every_model_and_launch_style_prints_a_command_the_trainer_accepts(model
         assert option(launcher, "--rdzv-backend") == "c10d"
         assert option(launcher, "--rdzv-endpoint") == "localhost:29500"
 
-    args = accepted(flags, world_size=16)
+    args = accepted(flags, world_size=16, monkeypatch=monkeypatch)
     config = read_model(model)
     assert args.num_layers == int(config["NUM_LAYERS"])
     assert args.hidden_size == int(config["HIDDEN_SIZE"])
@@ -140,39 +166,62 @@ def test_every_model_and_launch_style_prints_a_command_the_trainer_accepts(model
     assert args.normalization == config["NORMALIZATION"]
     assert args.position_embedding_type == config["POSITION_EMBEDDING_TYPE"]
     assert args.swiglu == (config["SWIGLU"] == "1")
-    assert args.disable_bias_linear == (config["DISABLE_BIAS_LINEAR"] == "1")
+    assert args.add_bias_linear == (config["DISABLE_BIAS_LINEAR"] == "0")
     assert args.untie_embeddings_and_output_weights == (
         config["UNTIE_EMBEDDINGS_AND_OUTPUT_WEIGHTS"] == "1"
     )
-    assert args.max_position_embeddings == (
-        int(config["MAX_POSITION_EMBEDDINGS"]) if "MAX_POSITION_EMBEDDINGS" in config else None
-    )
+    assert args.max_position_embeddings == int(config["MAX_POSITION_EMBEDDINGS"])
+    assert args.rotary_base == int(config.get("ROTARY_BASE", 10000))
     assert args.tensor_model_parallel_size == 8 and args.micro_batch_size == 2
     assert args.global_batch_size == 4  # micro-batch 2 x data-parallel 2 (16 ranks / TP 8)
-    assert args.domino and args.chunks == 2 and args.bf16 and args.mock_data
+    assert args.domino and args.domino_chunks == 2 and args.bf16 and args.mock_data
     assert args.use_distributed_optimizer and args.overlap_grad_reduce
     assert args.log_throughput and args.log_json.endswith("/log.jsonl")
-
-
-def test_transformer_engine_fp8_and_sequence_parallel_knobs_reach_the_flags():
-    """TE + FP8 + SP with Domino: flags the trainer accepts; on this machine validation stops
-    only at the missing GPU/Transformer Engine, which is checked last."""
-    done = run_script(
-        SCRIPTS["srun"],
-        MODEL="llama3-8b",
-        MOCK="1",
-        DOMINO="1",
-        TRANSFORMER_IMPL="transformer_engine",
-        SEQUENCE_PARALLEL="1",
-        FP8_FORMAT="hybrid",
-    )
-    [(_, flags)] = launches(done.stdout)
-    args = build_parser().parse_args(flags)
+    # Megatron-LM's GPU defaults stay: TE layers (then sequence parallelism, for Domino's
+    # backward overlap), NCCL, its fusions; 0.19 needs an evaluation interval.
     assert args.transformer_impl == "transformer_engine" and args.sequence_parallel
-    assert args.fp8_format == "hybrid" and args.fp8_recipe == "delayed" and args.domino
-    if importlib.util.find_spec("transformer_engine") is None:
-        with pytest.raises(ArgumentsError, match="needs a CUDA GPU and Transformer Engine"):
-            validate_args(args, world_size=8)
+    assert args.distributed_backend == "nccl" and args.gradient_accumulation_fusion
+    assert (args.eval_interval, args.eval_iters) == (1000, 10)
+
+
+def test_fp8_and_local_layer_knobs_reach_the_flags(monkeypatch):
+    done = run_script(SCRIPTS["srun"], MODEL="llama3-8b", MOCK="1", DOMINO="1", FP8_FORMAT="hybrid")
+    [(_, flags)] = launches(done.stdout)
+    args = accepted(flags, world_size=8, monkeypatch=monkeypatch)
+    assert args.transformer_impl == "transformer_engine" and args.sequence_parallel
+    assert args.fp8 == "hybrid" and args.fp8_recipe == "delayed" and args.domino
+    # Megatron-Core's own layers on request: then no sequence parallelism unless asked.
+    done = run_script(SCRIPTS["srun"], MOCK="1", DOMINO="1", TRANSFORMER_IMPL="local")
+    [(_, flags)] = launches(done.stdout)
+    args = accepted(flags, world_size=8, monkeypatch=monkeypatch)
+    assert args.transformer_impl == "local" and not args.sequence_parallel
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"DOMINO_BACKWARD_OVERLAP": "0"}, "add SEQUENCE_PARALLEL=0"),
+        ({"SEQUENCE_PARALLEL": "0"}, "DOMINO_BACKWARD_OVERLAP=0"),
+        ({"DOMINO_SPLIT": "sequence"}, "needs Megatron-Core's local layers"),
+        ({"TRANSFORMER_IMPL": "te"}, "must be transformer_engine or local"),
+    ],
+)
+def test_domino_settings_transformer_engine_refuses_are_refused_before_launch(
+    knobs, message, monkeypatch
+):
+    refused = run_script(SCRIPTS["srun"], check=False, MOCK="1", DOMINO="1", **knobs)
+    assert refused.returncode == 1 and message in refused.stderr, refused.stderr
+    assert refused.stdout == ""
+    # The way out each message gives is a command Domino accepts.
+    fixed = {
+        "DOMINO_BACKWARD_OVERLAP": {"SEQUENCE_PARALLEL": "0"},
+        "SEQUENCE_PARALLEL": {"DOMINO_BACKWARD_OVERLAP": "0"},
+        "DOMINO_SPLIT": {"TRANSFORMER_IMPL": "local", "MICRO_BATCH_SIZE": "1"},
+        "TRANSFORMER_IMPL": {"TRANSFORMER_IMPL": "local"},
+    }[next(iter(knobs))]
+    done = run_script(SCRIPTS["srun"], MOCK="1", DOMINO="1", **{**knobs, **fixed})
+    [(_, flags)] = launches(done.stdout)
+    assert accepted(flags, world_size=8, monkeypatch=monkeypatch).domino
 
 
 @pytest.mark.parametrize("model", sorted(SHAPES))
@@ -181,6 +230,8 @@ def test_model_configs_have_the_published_shapes(model):
     keys = ("NUM_LAYERS", "HIDDEN_SIZE", "NUM_ATTENTION_HEADS", "NUM_QUERY_GROUPS")
     keys += ("FFN_HIDDEN_SIZE", "SEQ_LENGTH", "VOCAB_SIZE")
     assert tuple(int(config[key]) for key in keys) == SHAPES[model]
+    assert config["MAX_POSITION_EMBEDDINGS"] == config["SEQ_LENGTH"]
+    assert config.get("ROTARY_BASE") == ("500000" if model.startswith("llama3") else None)
     llama = model.startswith("llama")
     assert config["NORMALIZATION"] == ("RMSNorm" if llama else "LayerNorm")
     assert config["POSITION_EMBEDDING_TYPE"] == ("rope" if llama else "learned_absolute")
@@ -198,6 +249,7 @@ def test_inside_a_slurm_job_the_first_node_job_id_and_cpus_are_used(tmp_path):
         "SLURM_NNODES": "2",
         "SLURM_JOB_NODELIST": "gpu-node-[7-8]",
         "SLURM_CPUS_ON_NODE": "224",
+        "SLURM_GPUS_ON_NODE": "8",
         "NCCL_SOCKET_IFNAME": "ib0",
     }
     torchrun = run_script(SCRIPTS["torchrun"], MOCK="1", **slurm)
@@ -214,7 +266,55 @@ def test_inside_a_slurm_job_the_first_node_job_id_and_cpus_are_used(tmp_path):
     assert exports(srun.stdout)["MASTER_PORT"] == "24242"
 
 
-def test_baseline_omits_domino_and_environment_overrides_reach_the_flags():
+#: A one-node job of the recipes' own #SBATCH shape (8 tasks per node), submitted with
+#: ``sbatch --gpus-per-node=4``: SLURM's variables in the batch script.
+FOUR_GPU_JOB = {
+    "SLURM_JOB_ID": "77",
+    "SLURM_NNODES": "1",
+    "SLURM_NTASKS_PER_NODE": "8",
+    "SLURM_GPUS_ON_NODE": "4",
+    "SLURM_GPUS_PER_NODE": "4",
+}
+
+
+@pytest.mark.parametrize(
+    "gpus",
+    [{}, {"SLURM_GPUS_ON_NODE": ""}, {"SLURM_GPUS_ON_NODE": "", "SLURM_GPUS_PER_NODE": "h100:4"}],
+)
+def test_ranks_per_node_are_the_gpus_slurm_allocated(gpus, monkeypatch):
+    """With --gpus-per-node=4 the recipes used to start 8 ranks per node (two per GPU)."""
+    job = {**FOUR_GPU_JOB, **gpus}
+    srun = run_script(SCRIPTS["srun"], MOCK="1", TP="4", **job)
+    [(launcher, flags)] = launches(srun.stdout)
+    assert "--ntasks-per-node=4" in launcher
+    assert srun.stdout.startswith("# pretrain: gpt3-6.7b, 1 node(s) x 4 ranks, TP=4, PP=1, DP=1")
+    assert accepted(flags, world_size=4, monkeypatch=monkeypatch).global_batch_size == 2
+    torchrun = run_script(SCRIPTS["torchrun"], MOCK="1", TP="4", **job)
+    [(launcher, _)] = launches(torchrun.stdout)
+    assert "--ntasks-per-node=1" in launcher and option(launcher, "--nproc-per-node") == "4"
+    ab = run_script("ab_compare.sh", MOCK="1", TP="4", **job)
+    report = shlex.split(next(line for line in ab.stdout.splitlines() if "ab_report.py" in line))
+    assert option(report, "--gpus") == "4"
+
+
+def test_ranks_per_node_beyond_the_allocation_are_refused():
+    refused = run_script(SCRIPTS["srun"], check=False, MOCK="1", GPUS_PER_NODE="8", **FOUR_GPU_JOB)
+    assert refused.returncode == 1 and "ranks would share GPUs" in refused.stderr
+    job = {**FOUR_GPU_JOB, "SLURM_GPUS_ON_NODE": "8", "SLURM_GPUS_PER_NODE": "8"}
+    job["SLURM_NTASKS_PER_NODE"] = "4"
+    refused = run_script(SCRIPTS["srun"], check=False, MOCK="1", **job)
+    assert refused.returncode == 1 and "--ntasks-per-node=8" in refused.stderr
+    # A job without GPUs in SLURM's variables: srun's tasks per node, torchrun must be told.
+    job = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "2"}
+    done = run_script(SCRIPTS["srun"], MOCK="1", TP="2", **job)
+    assert "--ntasks-per-node=2" in launches(done.stdout)[0][0]
+    refused = run_script(SCRIPTS["torchrun"], check=False, MOCK="1", **job)
+    assert refused.returncode == 1 and "GPUS_PER_NODE" in refused.stderr
+    done = run_script(SCRIPTS["torchrun"], MOCK="1", TP="2", GPUS_PER_NODE="2", **job)
+    assert option(launches(done.stdout)[0][0], "--nproc-per-node") == "2"
+
+
+def test_baseline_omits_domino_and_environment_overrides_reach_the_flags(monkeypatch):
     done = run_script(
         SCRIPTS["srun"],
         MODEL="llama2-7b",
@@ -230,7 +330,7 @@ def test_baseline_omits_domino_and_environment_overrides_reach_the_flags():
         RUN_DIR="/scratch/run1",
     )
     [(launcher, flags)] = launches(done.stdout)
-    args = accepted(flags, world_size=16)
+    args = accepted(flags, world_size=16, monkeypatch=monkeypatch)
     assert not args.domino and not args.bf16
     assert (args.tensor_model_parallel_size, args.micro_batch_size) == (4, 4)
     assert (args.global_batch_size, args.train_iters, args.num_layers) == (64, 50, 4)
@@ -238,24 +338,26 @@ def test_baseline_omits_domino_and_environment_overrides_reach_the_flags():
     assert args.log_json == "/scratch/run1/log.jsonl"
 
 
-def test_micro_batch_one_needs_column_chunks():
+def test_micro_batch_one_needs_column_chunks_in_local_layers(monkeypatch):
     refused = run_script(SCRIPTS["srun"], check=False, MOCK="1", DOMINO="1", MICRO_BATCH_SIZE="1")
     assert refused.returncode == 1 and "DOMINO_COLUMN_CHUNKS" in refused.stderr
+    column_split = {"MICRO_BATCH_SIZE": "1", "DOMINO_CHUNKS": "1", "DOMINO_COLUMN_CHUNKS": "4"}
+    refused = run_script(SCRIPTS["srun"], check=False, MOCK="1", DOMINO="1", **column_split)
+    assert refused.returncode == 1 and "add TRANSFORMER_IMPL=local" in refused.stderr
     done = run_script(
         SCRIPTS["srun"],
         MOCK="1",
         DOMINO="1",
-        MICRO_BATCH_SIZE="1",
-        DOMINO_CHUNKS="1",
-        DOMINO_COLUMN_CHUNKS="4",
+        TRANSFORMER_IMPL="local",
         DOMINO_INTER_LAYER="0",
+        **column_split,
     )
     [(_, flags)] = launches(done.stdout)
-    args = accepted(flags, world_size=8)
-    assert (args.chunks, args.column_chunks, args.inter_layer) == (1, 4, False)
+    args = accepted(flags, world_size=8, monkeypatch=monkeypatch)
+    assert (args.domino_chunks, args.domino_column_chunks, args.domino_inter_layer) == (1, 4, False)
 
 
-def test_real_data_flags_parse_and_missing_data_is_a_clear_error():
+def test_real_data_flags_pass_and_missing_data_is_a_clear_error(monkeypatch):
     done = run_script(
         SCRIPTS["torchrun"],
         MODEL="llama2-13b",
@@ -263,8 +365,7 @@ def test_real_data_flags_parse_and_missing_data_is_a_clear_error():
         TOKENIZER_MODEL="/data/tokenizer.model",
     )
     [(_, flags)] = launches(done.stdout)
-    # Parse only: validation would open the .bin/.idx files and the SentencePiece model.
-    args = build_parser().parse_args(flags)
+    args = accepted(flags, world_size=8, monkeypatch=monkeypatch)
     assert args.data_path == ["0.7", "/data/web_text_document", "0.3", "/data/code_text_document"]
     assert args.tokenizer_type == "SentencePieceTokenizer" and not args.mock_data
     assert args.tokenizer_model == "/data/tokenizer.model" and args.split == "969,30,1"
@@ -272,6 +373,19 @@ def test_real_data_flags_parse_and_missing_data_is_a_clear_error():
     missing = run_script(SCRIPTS["torchrun"], check=False, DATA_PATH="/data/x")
     assert missing.returncode == 1 and missing.stdout == ""
     assert "TOKENIZER_MODEL" in missing.stderr and "MOCK=1" in missing.stderr
+
+    # GPT-3's own tokenizer, one of Megatron-LM's others.
+    gpt2 = {"MODEL": "gpt3-2.7b", "DATA_PATH": "/data/x", "TOKENIZER_TYPE": "GPT2BPETokenizer"}
+    missing = run_script(SCRIPTS["srun"], check=False, **gpt2)
+    assert missing.returncode == 1 and "VOCAB_FILE and MERGE_FILE" in missing.stderr
+    done = run_script(SCRIPTS["srun"], VOCAB_FILE="/v.json", MERGE_FILE="/m.txt", **gpt2)
+    [(_, flags)] = launches(done.stdout)
+    args = accepted(flags, world_size=8, monkeypatch=monkeypatch)
+    assert (args.tokenizer_type, args.vocab_file, args.merge_file) == (
+        "GPT2BPETokenizer",
+        "/v.json",
+        "/m.txt",
+    ) and args.tokenizer_model is None
 
 
 def test_model_config_typos_and_unknown_models_are_errors(tmp_path):
@@ -292,11 +406,12 @@ def test_sbatch_headers_match_the_launch_style():
 
 
 @pytest.mark.parametrize("launcher", ["srun", "torchrun", "local"])
-def test_ab_compare_runs_identical_arms_but_for_domino(launcher):
+def test_ab_compare_runs_identical_arms_but_for_domino(launcher, monkeypatch):
     done = run_script("ab_compare.sh", LAUNCHER=launcher, MOCK="1", AB_DIR="/tmp/ab")
     (base_launcher, base), (dom_launcher, dom) = launches(done.stdout)
     world = 2 if launcher == "local" else 8
-    base_args, dom_args = accepted(base, world_size=world), accepted(dom, world_size=world)
+    base_args = accepted(base, world_size=world, monkeypatch=monkeypatch)
+    dom_args = accepted(dom, world_size=world, monkeypatch=monkeypatch)
     assert not base_args.domino and dom_args.domino
     assert base_args.log_json == "/tmp/ab/baseline/log.jsonl"
     assert dom_args.log_json == "/tmp/ab/domino/log.jsonl"
@@ -307,11 +422,24 @@ def test_ab_compare_runs_identical_arms_but_for_domino(launcher):
     if launcher == "local":
         assert base_launcher[:4] == ["torchrun", "--standalone", "--nproc-per-node", "2"]
         assert base_args.num_layers == 2 and not base_args.bf16  # the tiny CPU model
+        assert base_args.distributed_backend == "gloo" and base_args.transformer_impl == "local"
     else:
-        assert base_launcher[0] == "srun"
+        assert base_launcher[0] == "srun" and base_args.transformer_impl == "transformer_engine"
     report = next(line for line in done.stdout.splitlines() if "ab_report.py" in line)
     words = shlex.split(report)
     assert option(words, "--out-dir") == "/tmp/ab" and option(words, "--gpus") == str(world)
+    tokens = base_args.global_batch_size * base_args.seq_length
+    assert option(words, "--tokens-per-iteration") == str(tokens)
+    assert "pp=1" in words and "tp=" + str(base_args.tensor_model_parallel_size) in words
+
+
+def test_ab_compare_reports_the_pipeline_parallel_size_it_ran(monkeypatch):
+    """The report used to say pp=1 whatever PP was."""
+    done = run_script("ab_compare.sh", MOCK="1", MODEL="llama3-70b", PP="2", NNODES="2")
+    report = shlex.split(next(line for line in done.stdout.splitlines() if "ab_report.py" in line))
+    assert "pp=2" in report and "pp=1" not in report
+    (_, base), _ = launches(done.stdout)
+    assert accepted(base, world_size=16, monkeypatch=monkeypatch).pipeline_model_parallel_size == 2
 
 
 #: A stand-in for srun on one machine: starts --ntasks-per-node copies of the command with
@@ -334,8 +462,9 @@ exit $status
 
 
 @pytest.mark.slow
-def test_srun_recipe_trains_with_ranks_from_slurm_variables(tmp_path):
-    """The real (not dry) path: exports, run directory, tee'd log, SLURM_PROCID ranks."""
+def test_srun_recipe_trains_with_ranks_from_slurm_variables(tmp_path, capsys):
+    """The real (not dry) path: exports, run directory, tee'd log, SLURM_PROCID ranks; then
+    ab_report.py reads the run's real logs (Megatron-LM's lines, the --log-json records)."""
     (tmp_path / "bin").mkdir()
     srun = tmp_path / "bin" / "srun"
     srun.write_text(FAKE_SRUN)
@@ -347,6 +476,7 @@ def test_srun_recipe_trains_with_ranks_from_slurm_variables(tmp_path):
         DRY_RUN="0",
         PATH=f"{srun.parent}:{python_dir}:{os.environ['PATH']}",
         PYTHON=sys.executable,
+        CPU="1",
         MODEL="tiny",
         TP="2",
         GPUS_PER_NODE="2",
@@ -355,15 +485,38 @@ def test_srun_recipe_trains_with_ranks_from_slurm_variables(tmp_path):
         DOMINO="1",
         TRAIN_ITERS="3",
         LOG_INTERVAL="1",
+        EVAL_ITERS="1",
         RUN_DIR=str(tmp_path / "run"),
         DATA_CACHE_PATH=str(tmp_path / "cache"),
     )
     log = (tmp_path / "run" / "train.log").read_text()
     assert log.startswith("# pretrain: tiny, 1 node(s) x 2 ranks, TP=2, PP=1, DP=1 (srun)")
-    assert "iteration        3/       3" in log and "Summary" in log
-    records = (tmp_path / "run" / "log.jsonl").read_text().splitlines()
-    assert [json.loads(r)["iteration"] for r in records] == [1, 2, 3]
-    assert "iteration        3/       3" in done.stdout
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1\n" in log
+    assert "> Domino: DominoConfig(chunks=2" in log
+    assert (
+        " iteration        3/       3 | " in log
+        and " iteration        3/       3 | " in done.stdout
+    )
+    records = [json.loads(r) for r in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if r["kind"] == "train"] == [1, 2, 3]
+    assert [r["iteration"] for r in records if r["kind"] == "validation"] == [3]
+
+    ab_report = load_ab_report()
+    capsys.readouterr()
+    for log_name in ("log.jsonl", "train.log"):
+        run = str(tmp_path / "run" / log_name)
+        out = tmp_path / f"ab-{log_name}"
+        argv = ["--baseline", run, "--domino", run, "--gpus", "2", "--out-dir", str(out)]
+        assert ab_report.main([*argv, "--tokens-per-iteration", str(2 * 128)]) == 0
+        result = json.loads((out / "ab.json").read_text())
+        assert result["arms"]["domino"]["iterations"] == [2, 3] and result["speedup"] == 1.0
+        assert result["loss_parity"]["max_abs_diff"] == 0.0
+        assert result["arms"]["baseline"]["tokens_per_s_per_gpu"] > 0
+        assert result["arms"]["baseline"]["tflops_per_gpu"] is None  # a CPU run's 0.0
+        assert (
+            "/pretrain_gpt_domino.py --distributed-backend gloo"
+            in result["arms"]["domino"]["command"]
+        )
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
@@ -391,47 +544,73 @@ def load_ab_report():
     return sys.modules["ab_report"]
 
 
-def write_run(directory: Path, seconds: list[float], losses: list[float], capsys) -> Path:
-    """A run's --log-json and text output, written by the trainer's Reporter itself."""
-    directory.mkdir()
-    reporter = Reporter(
-        tokens_per_iteration=8 * 2048,
-        flops_per_iteration=10**15,
-        world_size=4,
-        train_iters=len(seconds),
-        log_interval=1,
-        log_throughput=True,
-        log_json=str(directory / "log.jsonl"),
-        resumed=False,
-        tensorboard_dir=None,
-        enabled=True,
+def megatron_line(iteration: int, total: int, ms: float, tflops: float, loss: float) -> str:
+    """An iteration line as Megatron-LM's ``training_log`` writes it with --log-throughput
+    (``megatron/training/training.py``; the slow test above reads real ones)."""
+    return (
+        f" [2026-11-30 12:00:00.000000] iteration {iteration:8d}/{total:8d} |"
+        f" consumed samples: {iteration * 8:12d} |"
+        f" elapsed time per iteration (ms): {ms:.1f} |"
+        f" throughput per GPU (TFLOP/s/GPU): {tflops:.1f} |"
+        f" learning rate: {1e-4:.6E} | global batch size: {8:5d} | lm loss: {loss:.6E} |"
+        f" loss scale: 1.0 | grad norm: 1.000 | number of skipped iterations: {0:3d} |"
+        f" number of nan iterations: {0:3d} |"
     )
-    capsys.readouterr()
+
+
+def write_run(directory: Path, seconds: list[float], losses: list[float], monkeypatch) -> Path:
+    """A run's --log-json, written by the script's own hook around Megatron's train_step, and
+    its train.log: the header examples/lib/common.sh prints, then Megatron-LM's lines."""
+    directory.mkdir()
+    monkeypatch.setattr(loop_hooks, "_is_last_rank", lambda: True)
+    hooks = loop_hooks.LoopHooks(str(directory / "log.jsonl"))
+    optimizer = SimpleNamespace(param_groups=[{"lr": 1e-4}])
+    flops_per_gpu = 10**15 / 4  # 1 PFLOP per iteration over 4 GPUs
+    lines = ["# baseline: tiny", "export CUDA_DEVICE_MAX_CONNECTIONS=1"]
+    lines.append("srun --nodes=1 python /repo/pretrain_gpt_domino.py --num-layers 2")
     for iteration, (step_s, loss) in enumerate(zip(seconds, losses, strict=True), 1):
-        reporter.step(
-            iteration, loss=loss, learning_rate=1e-4, grad_norm=1.0, seconds=step_s, skipped=False
+        hooks._train_step = lambda *args, loss=loss, step_s=step_s, **kwargs: (
+            {"lm loss": loss},
+            False,
+            False,
+            0,
+            None,
+            1.0,
+            None,
+            None,
         )
-    reporter.finish()
-    # The header examples/lib/common.sh prints before the run's output.
-    header = "# baseline: tiny\nexport CUDA_DEVICE_MAX_CONNECTIONS=1\n"
-    header += "srun --nodes=1 python /repo/pretrain_gpt_domino.py --num-layers 2\n"
-    (directory / "train.log").write_text(header + capsys.readouterr().out)
+        hooks.train_step(None, None, None, optimizer, None, iteration=iteration - 1)
+        lines.append(
+            megatron_line(
+                iteration, len(seconds), step_s * 1e3, flops_per_gpu / step_s / 1e12, loss
+            )
+        )
+    # The hook times the (instant) fake step; the recorded seconds are the run's.
+    records = [json.loads(r) for r in (directory / "log.jsonl").read_text().splitlines()]
+    for record, step_s in zip(records, seconds, strict=True):
+        assert set(record) == {
+            "kind", "iteration", "loss", "grad_norm", "learning_rate", "skipped", "seconds"
+        }  # fmt: skip
+        record["seconds"] = step_s
+    (directory / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (directory / "train.log").write_text("\n".join(lines) + "\n")
     return directory
 
 
 @pytest.mark.parametrize("log_name", ["log.jsonl", "train.log"])
-def test_ab_report_writes_table_json_and_plot(tmp_path, capsys, log_name):
+def test_ab_report_writes_table_json_and_plot(tmp_path, monkeypatch, log_name):
     ab_report = load_ab_report()
     losses = [5.0, 4.0, 3.5, 3.2, 3.0, 2.9]
-    base = write_run(tmp_path / "baseline", [9.0, 1.0, 1.2, 1.1, 0.9, 1.0], losses, capsys)
+    base = write_run(tmp_path / "baseline", [9.0, 1.0, 1.2, 1.1, 0.9, 1.0], losses, monkeypatch)
     dom = write_run(
-        tmp_path / "domino", [9.0, 0.8, 0.9, 0.8, 0.7, 0.8], [x + 1e-3 for x in losses], capsys
+        tmp_path / "domino", [9.0, 0.8, 0.9, 0.8, 0.7, 0.8], [x + 1e-3 for x in losses], monkeypatch
     )
     out = tmp_path / "ab_results"
     status = ab_report.main(
         [
             "--baseline", str(base / log_name), "--domino", str(dom / log_name),
             "--gpus", "4", "--out-dir", str(out), "--warmup", "1",
+            "--tokens-per-iteration", str(8 * 2048),
             "--meta", "model=gpt3-2.7b", "--meta", "system=8xH100", "--meta", "tp=4",
             "--meta", "domino=p=2 k=1", "--meta", "precision=bf16",
         ]
@@ -443,10 +622,10 @@ def test_ab_report_writes_table_json_and_plot(tmp_path, capsys, log_name):
     assert baseline["ms_per_iteration"] == pytest.approx({"median": 1000, "min": 900, "max": 1200})
     assert domino["ms_per_iteration"]["median"] == pytest.approx(800)
     assert result["speedup"] == pytest.approx(1.25)
-    # 8 x 2048 tokens per iteration over 4 GPUs; 1 PFLOP per iteration over 4 GPUs.
+    # 8 x 2048 tokens per iteration over 4 GPUs; 1 PFLOP per iteration over 4 GPUs, from
+    # Megatron's lines (TFLOP/s/GPU with one decimal) in train.log, also beside log.jsonl.
     assert baseline["tokens_per_s_per_gpu"] == pytest.approx(8 * 2048 / 1.0 / 4, rel=1e-3)
-    # Text lines print TFLOP/s with 3 significant digits.
-    assert domino["tflops_per_gpu"] == pytest.approx(1000 / 0.8 / 4, rel=5e-3)
+    assert domino["tflops_per_gpu"] == pytest.approx(1000 / 0.8 / 4, rel=1e-3)
     assert result["loss_parity"]["common_iterations"] == 6
     assert result["loss_parity"]["max_abs_diff"] == pytest.approx(1e-3, rel=1e-2)
     assert baseline["command"].startswith("srun --nodes=1 python /repo/pretrain_gpt_domino.py")
@@ -462,9 +641,9 @@ def test_ab_report_writes_table_json_and_plot(tmp_path, capsys, log_name):
         assert (out / "ab.png").stat().st_size > 0
 
 
-def test_ab_report_refuses_logs_without_measured_iterations(tmp_path, capsys):
+def test_ab_report_refuses_logs_without_measured_iterations(tmp_path, capsys, monkeypatch):
     ab_report = load_ab_report()
-    run = write_run(tmp_path / "run", [1.0, 1.0], [3.0, 2.0], capsys)
+    run = write_run(tmp_path / "run", [1.0, 1.0], [3.0, 2.0], monkeypatch)
     log = str(run / "log.jsonl")
     argv = ["--baseline", log, "--domino", log, "--gpus", "1", "--out-dir", str(tmp_path / "o")]
     assert ab_report.main([*argv, "--warmup", "2"]) == 1

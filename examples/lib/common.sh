@@ -10,7 +10,8 @@
 #
 # Every knob is an environment variable with a default (examples/README.md lists them). The
 # model's shape comes from examples/models/<MODEL>.env (KEY=VALUE data, read by
-# recipe_read_model, never sourced). Flags are pretrain_gpt_domino.py's (Megatron-LM's names).
+# recipe_read_model, never sourced). Flags are Megatron-LM's, parsed by Megatron-LM itself in
+# pretrain_gpt_domino.py, plus its --domino* and --log-json.
 
 #: This checkout: examples/ and the repository root, found from this file's own location.
 RECIPE_EXAMPLES_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -19,10 +20,10 @@ RECIPE_REPO_DIR=$(dirname "$RECIPE_EXAMPLES_DIR")
 #: Keys every model config must give, and the one it may give.
 RECIPE_MODEL_KEYS=(
     NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS NUM_QUERY_GROUPS FFN_HIDDEN_SIZE SEQ_LENGTH
-    VOCAB_SIZE NORMALIZATION POSITION_EMBEDDING_TYPE SWIGLU DISABLE_BIAS_LINEAR
-    UNTIE_EMBEDDINGS_AND_OUTPUT_WEIGHTS ATTENTION_DROPOUT HIDDEN_DROPOUT
+    MAX_POSITION_EMBEDDINGS VOCAB_SIZE NORMALIZATION POSITION_EMBEDDING_TYPE SWIGLU
+    DISABLE_BIAS_LINEAR UNTIE_EMBEDDINGS_AND_OUTPUT_WEIGHTS ATTENTION_DROPOUT HIDDEN_DROPOUT
 )
-RECIPE_OPTIONAL_MODEL_KEYS=(MAX_POSITION_EMBEDDINGS)
+RECIPE_OPTIONAL_MODEL_KEYS=(ROTARY_BASE)
 
 #: The variables recipe_setup exports to every rank (printed by recipe_run).
 RECIPE_EXPORTS=(CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_AVOID_RECORD_STREAMS OMP_NUM_THREADS
@@ -47,6 +48,46 @@ recipe_require_bool() {
     for name in "$@"; do
         [[ ${!name} == [01] ]] || recipe_die "$name=${!name} must be 0 or 1."
     done
+}
+
+# recipe_positive_int TEXT: TEXT if it is a positive integer, else nothing.
+recipe_positive_int() {
+    [[ $1 =~ ^[0-9]+$ ]] && ((10#$1 > 0)) && echo "$((10#$1))"
+    return 0
+}
+
+# recipe_gpus_per_node: GPUS_PER_NODE, the ranks per node, checked against the allocation.
+# Inside a SLURM job it is the GPUs the job has per node: SLURM_GPUS_ON_NODE, else
+# SLURM_GPUS_PER_NODE (--gpus-per-node=[type:]N), else, for the srun style, its tasks per node
+# (SLURM_NTASKS_PER_NODE). Outside SLURM (a dry run on a login node) 8, an H100/H200 node.
+# A rank count above the allocated GPUs is refused: ranks would share GPUs without a word.
+recipe_gpus_per_node() {
+    local allocated tasks per_node=${SLURM_GPUS_PER_NODE:-}
+    allocated=$(recipe_positive_int "${SLURM_GPUS_ON_NODE:-}")
+    [[ -n $allocated ]] || allocated=$(recipe_positive_int "${per_node##*:}")
+    tasks=$(recipe_positive_int "${SLURM_NTASKS_PER_NODE:-}")
+    if [[ -z ${GPUS_PER_NODE:-} ]]; then
+        if [[ -n $allocated ]]; then
+            GPUS_PER_NODE=$allocated
+        elif [[ $RECIPE_STYLE == srun && -n $tasks ]]; then
+            GPUS_PER_NODE=$tasks
+        elif [[ -n ${SLURM_JOB_ID:-} ]]; then
+            recipe_die "this SLURM job shows no GPU count (SLURM_GPUS_ON_NODE, \
+SLURM_GPUS_PER_NODE): submit with --gpus-per-node=N, or set GPUS_PER_NODE."
+        else
+            GPUS_PER_NODE=8
+        fi
+    fi
+    recipe_require_int GPUS_PER_NODE
+    ((GPUS_PER_NODE >= 1)) || recipe_die "GPUS_PER_NODE=$GPUS_PER_NODE must be at least 1."
+    if [[ $RECIPE_STYLE != local && -n $allocated ]] && ((GPUS_PER_NODE > allocated)); then
+        recipe_die "GPUS_PER_NODE=$GPUS_PER_NODE ranks per node, but the job has $allocated \
+GPUs per node: ranks would share GPUs. Leave GPUS_PER_NODE unset to use $allocated."
+    fi
+    if [[ $RECIPE_STYLE == srun && -n $tasks ]] && ((GPUS_PER_NODE > tasks)); then
+        recipe_die "one task per GPU needs $GPUS_PER_NODE tasks per node, but the job has \
+$tasks (--ntasks-per-node): submit with --ntasks-per-node=$GPUS_PER_NODE."
+    fi
 }
 
 # recipe_model_file MODEL: the config file of a model name (examples/models/NAME.env) or path.
@@ -99,9 +140,12 @@ recipe_read_model() {
         [[ -n ${MODEL_CFG[$key]:-} ]] || recipe_die "$file: missing model key $key."
     done
     for key in NUM_LAYERS HIDDEN_SIZE NUM_ATTENTION_HEADS NUM_QUERY_GROUPS FFN_HIDDEN_SIZE \
-        SEQ_LENGTH VOCAB_SIZE; do
+        SEQ_LENGTH MAX_POSITION_EMBEDDINGS VOCAB_SIZE; do
         [[ ${MODEL_CFG[$key]} =~ ^[0-9]+$ ]] || recipe_die "$file: $key must be an integer."
     done
+    if [[ -n ${MODEL_CFG[ROTARY_BASE]:-} ]]; then
+        [[ ${MODEL_CFG[ROTARY_BASE]} =~ ^[0-9]+$ ]] || recipe_die "$file: ROTARY_BASE must be an integer."
+    fi
     for key in SWIGLU DISABLE_BIAS_LINEAR UNTIE_EMBEDDINGS_AND_OUTPUT_WEIGHTS; do
         [[ ${MODEL_CFG[$key]} == [01] ]] || recipe_die "$file: $key must be 0 or 1."
     done
@@ -125,7 +169,8 @@ recipe_setup() {
     local)
         # A CPU smoke run: a tiny model on TP ranks of this machine, fp32, mock data.
         : "${MODEL:=tiny}" "${TP:=2}" "${BF16:=0}" "${MOCK:=1}" "${TRAIN_ITERS:=12}"
-        : "${LOG_INTERVAL:=1}" "${NNODES:=1}" "${GPUS_PER_NODE:=$TP}"
+        : "${LOG_INTERVAL:=1}" "${NNODES:=1}" "${GPUS_PER_NODE:=$TP}" "${CPU:=1}"
+        : "${EVAL_ITERS:=1}"
         ;;
     *) recipe_die "unknown launch style '$RECIPE_STYLE' (srun, torchrun or local)." ;;
     esac
@@ -138,10 +183,10 @@ recipe_setup() {
 
     # Layout: nodes from the SLURM allocation (1 outside SLURM), ranks per node, TP and PP sizes.
     NNODES=${NNODES:-${SLURM_NNODES:-1}}
-    GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+    recipe_gpus_per_node
     TP=${TP:-8}
     PP=${PP:-1}
-    recipe_require_int NNODES GPUS_PER_NODE TP PP
+    recipe_require_int NNODES TP PP
     WORLD_SIZE=$((NNODES * GPUS_PER_NODE))
     ((TP >= 1 && PP >= 1 && WORLD_SIZE % (TP * PP) == 0)) ||
         recipe_die "TP=$TP x PP=$PP does not divide the $WORLD_SIZE ranks \
@@ -164,13 +209,23 @@ recipe_setup() {
     recipe_require_int LR_WARMUP_ITERS LOG_INTERVAL SEED
     recipe_require_bool BF16
 
-    # Data: MOCK=1 trains on Megatron-Core's synthetic tokens; otherwise a prepared dataset.
+    # Data: MOCK=1 trains on Megatron-Core's synthetic tokens; otherwise a prepared dataset
+    # and its tokenizer, one of Megatron-LM's (--tokenizer-type).
     MOCK=${MOCK:-0}
     recipe_require_bool MOCK
-    if ((!MOCK)) && [[ -z ${DATA_PATH:-} || -z ${TOKENIZER_MODEL:-} ]]; then
-        recipe_die "no data: set DATA_PATH (a .bin/.idx prefix, or 'W1 P1 W2 P2' for a blend) \
-and TOKENIZER_MODEL (a SentencePiece .model), e.g. from \
-'python -m megatron_domino.data.prepare', or set MOCK=1 for synthetic data."
+    TOKENIZER_TYPE=${TOKENIZER_TYPE:-SentencePieceTokenizer}
+    if ((!MOCK)); then
+        if [[ $TOKENIZER_TYPE == GPT2BPETokenizer ]]; then
+            [[ -n ${DATA_PATH:-} && -n ${VOCAB_FILE:-} && -n ${MERGE_FILE:-} ]] ||
+                recipe_die "no data: set DATA_PATH (a .bin/.idx prefix, or 'W1 P1 W2 P2' for a \
+blend), VOCAB_FILE and MERGE_FILE (GPT-2's vocab.json and merges.txt), or set MOCK=1 for \
+synthetic data."
+        elif [[ -z ${DATA_PATH:-} || -z ${TOKENIZER_MODEL:-} ]]; then
+            recipe_die "no data: set DATA_PATH (a .bin/.idx prefix, or 'W1 P1 W2 P2' for a blend) \
+and TOKENIZER_MODEL (a SentencePiece .model, e.g. from 'python -m megatron_domino.data.prepare'; \
+with TOKENIZER_TYPE=HuggingFaceTokenizer a Hugging Face tokenizer), or set MOCK=1 for \
+synthetic data."
+        fi
     fi
 
     DOMINO=${DOMINO:-0}
@@ -184,12 +239,29 @@ and TOKENIZER_MODEL (a SentencePiece .model), e.g. from \
     recipe_require_bool DOMINO DOMINO_INTER_LAYER DOMINO_BACKWARD_OVERLAP
     recipe_require_int DOMINO_CHUNKS DOMINO_COLUMN_CHUNKS
 
+    # CPU=1: the CPU replacements of Megatron-LM's GPU defaults (CPU_ARGS), for smoke runs
+    # and dry runs on machines without GPUs; the local launch style is one.
+    CPU=${CPU:-0}
+    recipe_require_bool CPU
+    # Megatron-LM's default layers are Transformer Engine's; Megatron-Core's own ('local')
+    # are the CPU's, and the ones Domino's column split and sequence split need.
+    TRANSFORMER_IMPL=${TRANSFORMER_IMPL:-$( ((CPU)) && echo local || echo transformer_engine)}
+    [[ $TRANSFORMER_IMPL == local || $TRANSFORMER_IMPL == transformer_engine ]] ||
+        recipe_die "TRANSFORMER_IMPL=$TRANSFORMER_IMPL must be transformer_engine or local."
     DISTRIBUTED_OPTIMIZER=${DISTRIBUTED_OPTIMIZER:-1}
     OVERLAP_GRAD_REDUCE=${OVERLAP_GRAD_REDUCE:-1}
-    SEQUENCE_PARALLEL=${SEQUENCE_PARALLEL:-0}
+    # With TE layers Domino overlaps the backward collectives under sequence parallelism only
+    # (without it TE keeps its own input-gradient all-reduce), so SP is on with TE by default.
+    SEQUENCE_PARALLEL=${SEQUENCE_PARALLEL:-$([[ $TRANSFORMER_IMPL == transformer_engine ]] &&
+        echo 1 || echo 0)}
     recipe_require_bool DISTRIBUTED_OPTIMIZER OVERLAP_GRAD_REDUCE SEQUENCE_PARALLEL
-    TRANSFORMER_IMPL=${TRANSFORMER_IMPL:-local}
     FP8_FORMAT=${FP8_FORMAT:-}
+    # Megatron-LM 0.19 needs --eval-interval; its examples evaluate every 1000 iterations on
+    # 10 batches, and once more after training (EVAL_ITERS=0: no evaluation at all).
+    EVAL_INTERVAL=${EVAL_INTERVAL:-1000}
+    EVAL_ITERS=${EVAL_ITERS:-10}
+    recipe_require_int EVAL_INTERVAL EVAL_ITERS
+    ((EVAL_INTERVAL >= 1)) || recipe_die "EVAL_INTERVAL=$EVAL_INTERVAL must be at least 1."
 
     PYTHON=${PYTHON:-python}
     TORCHRUN=${TORCHRUN:-torchrun}
@@ -230,15 +302,50 @@ and TOKENIZER_MODEL (a SentencePiece .model), e.g. from \
     # compare without it or if its extra memory per communicator is a problem.
 }
 
+# recipe_check_domino: the Domino settings the run would refuse at startup, refused here
+# first (before srun starts a rank; with DRY_RUN=1, before the job is submitted).
+recipe_check_domino() {
+    local local_only=()
+    if [[ $DOMINO_SPLIT == batch ]] && ((DOMINO_CHUNKS > 1 && MICRO_BATCH_SIZE % DOMINO_CHUNKS)); then
+        recipe_die "DOMINO_CHUNKS=$DOMINO_CHUNKS does not divide MICRO_BATCH_SIZE=\
+$MICRO_BATCH_SIZE: use a micro-batch that is a multiple of it, or at micro-batch 1 \
+TRANSFORMER_IMPL=local with DOMINO_CHUNKS=1 DOMINO_COLUMN_CHUNKS=2 (or more)."
+    fi
+    if [[ $TRANSFORMER_IMPL == transformer_engine ]]; then
+        ((DOMINO_COLUMN_CHUNKS > 1)) && local_only+=("DOMINO_COLUMN_CHUNKS=$DOMINO_COLUMN_CHUNKS")
+        [[ $DOMINO_SPLIT == sequence ]] && local_only+=("DOMINO_SPLIT=sequence")
+        if ((${#local_only[@]})); then
+            recipe_die "${local_only[*]} needs Megatron-Core's local layers: add \
+TRANSFORMER_IMPL=local (Transformer Engine's are the default)."
+        fi
+        if ((!SEQUENCE_PARALLEL && DOMINO_BACKWARD_OVERLAP)); then
+            recipe_die "with Transformer Engine layers Domino overlaps the backward \
+collectives only under sequence parallelism: leave SEQUENCE_PARALLEL=1 (the default), or set \
+DOMINO_BACKWARD_OVERLAP=0."
+        fi
+    fi
+    if ((SEQUENCE_PARALLEL && !DOMINO_BACKWARD_OVERLAP)); then
+        recipe_die "DOMINO_BACKWARD_OVERLAP=0 is an ablation without sequence parallelism: \
+add SEQUENCE_PARALLEL=0 (with TRANSFORMER_IMPL=transformer_engine it is on by default)."
+    fi
+}
+
 # recipe_pretrain_args DOMINO RUN_DIR: PRETRAIN_ARGS, the flags of one run, in groups.
 recipe_pretrain_args() {
     local domino=$1 run_dir=$2
+    # The CPU replacements of Megatron-LM's GPU defaults (as in tests/launch.py): gloo for
+    # NCCL, no Apex persistent LayerNorm or fused weight-gradient accumulation, no CUDA fused
+    # softmax, no TE fused RoPE. TRANSFORMER_IMPL is local there by default.
+    CPU_ARGS=()
+    ((CPU)) && CPU_ARGS=(--distributed-backend gloo --no-persist-layer-norm
+        --no-gradient-accumulation-fusion --no-masked-softmax-fusion --no-rope-fusion)
     GPT_MODEL_ARGS=(
         --num-layers "${MODEL_CFG[NUM_LAYERS]}"
         --hidden-size "${MODEL_CFG[HIDDEN_SIZE]}"
         --ffn-hidden-size "${MODEL_CFG[FFN_HIDDEN_SIZE]}"
         --num-attention-heads "${MODEL_CFG[NUM_ATTENTION_HEADS]}"
         --seq-length "${MODEL_CFG[SEQ_LENGTH]}"
+        --max-position-embeddings "${MODEL_CFG[MAX_POSITION_EMBEDDINGS]}"
         --normalization "${MODEL_CFG[NORMALIZATION]}"
         --position-embedding-type "${MODEL_CFG[POSITION_EMBEDDING_TYPE]}"
         --attention-dropout "${MODEL_CFG[ATTENTION_DROPOUT]}"
@@ -249,8 +356,8 @@ recipe_pretrain_args() {
         GPT_MODEL_ARGS+=(--group-query-attention
             --num-query-groups "${MODEL_CFG[NUM_QUERY_GROUPS]}")
     fi
-    if [[ -n ${MODEL_CFG[MAX_POSITION_EMBEDDINGS]:-} ]]; then
-        GPT_MODEL_ARGS+=(--max-position-embeddings "${MODEL_CFG[MAX_POSITION_EMBEDDINGS]}")
+    if [[ -n ${MODEL_CFG[ROTARY_BASE]:-} ]]; then
+        GPT_MODEL_ARGS+=(--rotary-base "${MODEL_CFG[ROTARY_BASE]}")
     fi
     [[ ${MODEL_CFG[SWIGLU]} == 1 ]] && GPT_MODEL_ARGS+=(--swiglu)
     [[ ${MODEL_CFG[DISABLE_BIAS_LINEAR]} == 1 ]] && GPT_MODEL_ARGS+=(--disable-bias-linear)
@@ -292,19 +399,24 @@ recipe_pretrain_args() {
         read -ra data_path <<<"$DATA_PATH"
         # The vocabulary is the tokenizer's; the model config's VOCAB_SIZE is for MOCK=1 only.
         DATA_ARGS=(--data-path "${data_path[@]}" --split "${SPLIT:-969,30,1}"
-            --tokenizer-type SentencePieceTokenizer --tokenizer-model "$TOKENIZER_MODEL")
+            --tokenizer-type "$TOKENIZER_TYPE")
+        if [[ $TOKENIZER_TYPE == GPT2BPETokenizer ]]; then
+            DATA_ARGS+=(--vocab-file "$VOCAB_FILE" --merge-file "$MERGE_FILE")
+        else
+            DATA_ARGS+=(--tokenizer-model "$TOKENIZER_MODEL")
+        fi
     fi
     [[ -n ${DATA_CACHE_PATH:-} ]] && DATA_ARGS+=(--data-cache-path "$DATA_CACHE_PATH")
 
+    # --log-throughput: Megatron-LM's TFLOP/s/GPU on its iteration lines (its GPT FLOP formula).
     LOGGING_ARGS=(
         --log-interval "$LOG_INTERVAL"
         --log-throughput
         --log-json "$run_dir/log.jsonl"
+        --eval-interval "$EVAL_INTERVAL"
+        --eval-iters "$EVAL_ITERS"
     )
     [[ -n ${TENSORBOARD_DIR:-} ]] && LOGGING_ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
-    if [[ -n ${EVAL_INTERVAL:-} ]]; then
-        LOGGING_ARGS+=(--eval-interval "$EVAL_INTERVAL" --eval-iters "${EVAL_ITERS:-10}")
-    fi
     CHECKPOINT_ARGS=()
     if [[ -n ${CHECKPOINT_DIR:-} ]]; then
         # Save to and resume from the same directory, as Megatron-LM's examples do.
@@ -314,11 +426,7 @@ recipe_pretrain_args() {
 
     DOMINO_ARGS=()
     if ((domino)); then
-        if ((DOMINO_CHUNKS > 1 && MICRO_BATCH_SIZE % DOMINO_CHUNKS)); then
-            recipe_die "DOMINO_CHUNKS=$DOMINO_CHUNKS does not divide MICRO_BATCH_SIZE=\
-$MICRO_BATCH_SIZE: use a micro-batch that is a multiple of it, or DOMINO_CHUNKS=1 \
-DOMINO_COLUMN_CHUNKS=2 (or more) at micro-batch 1."
-        fi
+        recipe_check_domino
         DOMINO_ARGS=(--domino --domino-chunks "$DOMINO_CHUNKS"
             --domino-column-chunks "$DOMINO_COLUMN_CHUNKS" --domino-split "$DOMINO_SPLIT")
         ((DOMINO_INTER_LAYER)) || DOMINO_ARGS+=(--no-domino-inter-layer)
@@ -329,7 +437,7 @@ DOMINO_COLUMN_CHUNKS=2 (or more) at micro-batch 1."
     local extra_args
     read -ra extra_args <<<"${EXTRA_ARGS:-}"
 
-    PRETRAIN_ARGS=("${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}"
+    PRETRAIN_ARGS=("${CPU_ARGS[@]}" "${GPT_MODEL_ARGS[@]}" "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}"
         "${DATA_ARGS[@]}" "${LOGGING_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" "${DOMINO_ARGS[@]}"
         "${extra_args[@]}")
     RECIPE_RUN_DIR=$run_dir

@@ -90,5 +90,7 @@ class DominoOverlapReport:
                 "clock": clock,
             }
         )
-        if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
-            print("\n".join(report_lines(spans, iteration=iteration, clock=clock)), flush=True)
+        rank = torch.distributed.get_rank()
+        if rank == torch.distributed.get_world_size() - 1:
+            lines = report_lines(spans, iteration=iteration, clock=clock, rank=rank)
+            print("\n".join(lines), flush=True)
