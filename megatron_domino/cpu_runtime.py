@@ -21,7 +21,9 @@ those places to the CPU for the duration of a ``with`` block:
   (``'cuda'``, ``'cuda:N'``, ``torch.device('cuda')`` or an index) and ``Tensor.cuda()`` to
   the CPU, which covers all of them in one place.
 * **Synchronisation is a no-op.** ``torch.cuda.synchronize()`` is called by
-  ``dist_checkpointing``'s async writer and finalize step, and by DDP.
+  ``dist_checkpointing``'s async writer and finalize step, and by DDP; DDP's gradient sync
+  (megatron-core 0.19) also asks for ``torch.cuda.current_stream()`` to wait on CUDA-graph
+  events, which a stream stand-in with no-op waits answers.
 * **Type checks accept CPU tensors.** ``clip_grad_by_total_norm_fp32`` asserts
   ``param.grad.type() == 'torch.cuda.FloatTensor'``, and the bf16 and distributed optimizers
   sort parameters by ``param.type()`` into ``torch.cuda.*Tensor`` names; while those three
@@ -189,6 +191,23 @@ def _synchronize(device: object = None) -> None:
     return None
 
 
+class _InOrderStream:
+    """A CUDA stream stand-in: the CPU runs everything in order, so every wait is a no-op."""
+
+    def wait_stream(self, stream: object) -> None:
+        return None
+
+    def wait_event(self, event: object) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+def _current_stream(device: object = None) -> _InOrderStream:
+    return _InOrderStream()
+
+
 _engine_run_backward = torch.autograd.graph._engine_run_backward
 
 
@@ -222,6 +241,12 @@ PATCHES: tuple[Patch, ...] = (
         "synchronize",
         _synchronize,
         "dist_checkpointing's async writer and finalize, and DDP, synchronise the device.",
+    ),
+    Patch(
+        torch.cuda,
+        "current_stream",
+        _current_stream,
+        "DDP's start_grad_sync (0.19 param_and_grad_buffer.py:632) waits on the current stream.",
     ),
     Patch(
         torch.cuda,

@@ -93,6 +93,25 @@ _REFUSED_FEATURES = (
         "experimental attention variants are not supported",
     ),
     ("inference_fuse_tp_communication", bool, "fused inference TP communication is not supported"),
+    (
+        "gtp_weight_remat_size",
+        lambda v: (v or 1) > 1,
+        "GTP weight sharding (--tensor-parallel-num-weight-shards above the TP size) gathers "
+        "each weight inside Megatron-Core's GEMM path, which Domino's chunked GEMMs replace; "
+        "drop --tensor-parallel-num-weight-shards",
+    ),
+    (
+        "quant_recipe",
+        lambda v: v is not None,
+        "per-module quantization recipes (--te-precision-config-file, Kitchen) enter a "
+        "quantization context in every linear call, i.e. once per chunk; drop them",
+    ),
+    (
+        "mlp_chunks_for_training",
+        lambda v: (v or 1) > 1,
+        "mlp_chunks_for_training splits the MLP inside the stock layer forward, which the "
+        "Domino schedule replaces; leave it at 1",
+    ),
 )
 
 

@@ -88,8 +88,7 @@ class LayerOps:
     def attention_norm(self, chunk: ChunkState) -> None:
         if self.previous is not None:
             self.previous.finish(chunk)
-        chunk.residual = chunk.hidden
-        normed = self.layer.input_layernorm(chunk.hidden)
+        normed, chunk.residual = self._norm(self.layer.input_layernorm, chunk.hidden)
         chunk.linear_input = self._prepare_column_input(normed, chunk, "attention")
 
     def attention_core(self, chunk: ChunkState) -> None:
@@ -109,8 +108,8 @@ class LayerOps:
         chunk.deferred_input = None
 
     def mlp_norm(self, chunk: ChunkState) -> None:
-        chunk.residual = self._bias_dropout_add(self.layer.self_attn_bda, chunk)
-        normed = self.layer.pre_mlp_layernorm(chunk.residual)
+        hidden = self._bias_dropout_add(self.layer.self_attn_bda, chunk)
+        normed, chunk.residual = self._norm(self.layer.pre_mlp_layernorm, hidden)
         chunk.linear_input = self._prepare_column_input(normed, chunk, "mlp")
 
     def mlp_core(self, chunk: ChunkState) -> None:
@@ -125,6 +124,20 @@ class LayerOps:
             inp=hidden, requires_grad=hidden.requires_grad, keep_graph=True
         )
         chunk.residual = None
+
+    def _norm(self, norm, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm output, residual)`` for ``hidden`` ``[s, b/p, h]``, as the stock layer forms them.
+
+        The residual is ``hidden``, unless the norm returns ``(output, residual)`` itself
+        (Megatron-Core 0.19's fused-residual norms); with ``fp32_residual_connection`` it is
+        kept in fp32.
+        """
+        normed, residual = norm(hidden), hidden
+        if isinstance(normed, tuple):
+            normed, residual = normed
+        if self.layer.config.fp32_residual_connection:
+            residual = residual.float()
+        return normed, residual
 
     def _bias_dropout_add(self, bda_module, chunk: ChunkState) -> torch.Tensor:
         """Wait for the sub-layer's all-reduce, then Megatron's bias-dropout-add ``[s, b/p, h]``."""

@@ -31,6 +31,9 @@ REFUSED = [
     ("fp4", "nvfp4", "FP4 is not supported"),
     ("first_last_layers_bf16", True, "drop --first-last-layers-bf16"),
     ("symmetric_ar_type", "two_shot", "drop --symmetric-ar-type"),
+    ("gtp_weight_remat_size", 2, "drop --tensor-parallel-num-weight-shards"),
+    ("quant_recipe", "per-module", "per-module quantization recipes"),
+    ("mlp_chunks_for_training", 2, "mlp_chunks_for_training splits the MLP"),
 ]
 
 

@@ -63,8 +63,9 @@ def build_tokenizer(
             :mod:`megatron_domino.data.prepare`) or ``"NullTokenizer"`` (needs ``vocab_size``;
             for ``--mock-data``).
         tokenizer_model: the SentencePiece ``.model`` file.
-        vocab_size: NullTokenizer only. As in Megatron-LM, ids ``0..vocab_size-1`` are tokens and
-            ``vocab_size`` is the end-of-document id, so ``tokenizer.vocab_size`` is one more.
+        vocab_size: NullTokenizer only. As in Megatron-LM (megatron-core 0.19's ``null-text``
+            library), ids ``0..vocab_size-1`` are tokens, the last of them (``vocab_size - 1``)
+            the end-of-document id.
 
     Raises:
         DataFileError: the model file is missing or unreadable (the message says how to
@@ -90,7 +91,7 @@ def build_tokenizer(
                 f"--tokenizer-type NullTokenizer needs --vocab-size >= 1, got {vocab_size}."
             )
         return MegatronTokenizer.from_pretrained(
-            metadata_path={"library": "null"}, vocab_size=vocab_size
+            metadata_path={"library": "null-text"}, vocab_size=vocab_size
         )
     raise DataConfigError(
         f"--tokenizer-type must be one of {', '.join(TOKENIZER_TYPES)}, got {tokenizer_type!r}."

@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     budgets = dict(DEFAULT_BUDGETS_S, **dict(args.budget))
     env = environment(args.device)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
     run_dir = args.out_dir / f"{stamp}-{args.device}{'-quick' if args.quick else ''}"
     for attempt in range(2, 100):  # two runs within one second get their own directories
         if not run_dir.exists():

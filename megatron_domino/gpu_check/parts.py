@@ -41,10 +41,18 @@ def _failure_reason(error: BaseException, lines: int = 6) -> str:
     return " / ".join(line.strip() for line in tail if line.strip())
 
 
+def _megatron_install_hint() -> str:
+    try:  # version.py needs packaging, which is checked below
+        from megatron_domino.version import PINNED_MEGATRON_CORE
+    except ImportError:
+        return "pip install megatron-core"
+    return f"pip install megatron-core=={PINNED_MEGATRON_CORE}"
+
+
 def model_parts_unavailable() -> str | None:
     """Why parts 1 and 2 cannot run here (a missing package), or ``None``."""
     for module, install in (
-        ("megatron.core", "pip install 'megatron-core>=0.16.1,<0.17'"),
+        ("megatron.core", _megatron_install_hint()),
         ("numpy", "pip install numpy"),
         ("packaging", "pip install packaging"),
     ):

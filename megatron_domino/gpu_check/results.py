@@ -80,7 +80,7 @@ def environment(device: str) -> dict[str, object]:
     """Date, machine, device and versions, for the report."""
     cuda = device == "cuda"
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": device,
         "gpu": torch.cuda.get_device_name(0) if cuda else None,
         "gpu_count": torch.cuda.device_count() if cuda else 0,
