@@ -4,8 +4,10 @@ The GPU check cannot run here, so the CPU tests run the same code paths with
 ``--device cpu --quick`` (gloo, fp32, tiny shapes, wall clock) through the wrapper script, with
 the model parts going through the host-staging shim (which every rank job verifies on two
 ranks), check the shim's patching in process, and guard the shared comparison helpers against
-drifting from the CPU equivalence and overlap tests they were factored from. The test marked
-``gpu`` runs the check on CUDA and is skipped without a GPU.
+drifting from the CPU equivalence and overlap tests they were factored from. A part that
+should run and is skipped (here: Megatron-Core shadowed by an empty package) must make the
+run fail with exit status 3 and say so in the summary. The test marked ``gpu`` runs the check
+on CUDA and is skipped without a GPU.
 """
 
 from __future__ import annotations
@@ -20,13 +22,18 @@ import pytest
 import torch
 
 from megatron_domino.gpu_check import cli, gemm, parts, probe
+from megatron_domino.gpu_check.results import EXIT_STATUS, PartResult, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 WRAPPER = ROOT / "scripts" / "gpu_check.sh"
 
 
-def _run_wrapper(out_dir: Path, *flags: str, timeout: int) -> subprocess.CompletedProcess:
+def _run_wrapper(
+    out_dir: Path, *flags: str, timeout: int, pythonpath: Path | None = None
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "GPU_CHECK_OUT_DIR": str(out_dir), "PYTHON": sys.executable}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
     return subprocess.run(
         ["bash", str(WRAPPER), *flags],
         env=env,
@@ -81,26 +88,74 @@ def test_cpu_quick_run_writes_the_json_record(cpu_run):
     )
     assert by_name["probe"]["details"]["supported"] == dict.fromkeys(probe.COLLECTIVES, True)
     cases = by_name["equivalence"]["details"]["cases"]
-    assert [c["setting"] for c in cases] == [
-        "p2",
-        "p2-k2",
-        "s2",
-        "revert (plain)",
-        "sp-p2",
-        "revert (sp)",
+    settings = ["p2", "p2-k2", "s2", "revert (plain)", "sp-p2", "sp-s2", "revert (sp)"]
+    assert [(c["dtype"], c["setting"]) for c in cases] == [
+        (dtype, setting) for dtype in ("bfloat16", "float32") for setting in settings
     ]
-    assert all(c["passed"] and c["max_error"] < 1e-6 for c in cases)
+    assert all(c["passed"] for c in cases)
+    assert all(c["max_error"] < 1e-6 for c in cases if c["dtype"] == "float32")
+    # bf16: measured against fp32, within the bound, with stock's own error as the yardstick.
+    bf16 = [c for c in cases if c["dtype"] == "bfloat16" and "revert" not in c["setting"]]
+    assert all(0 < c["stock_error"] < 0.05 and c["limit_use"] <= 1 for c in bf16)
+    assert all(c["tolerance"].startswith("per tensor vs fp32") for c in bf16)
     # Two input-gradient all-reduces per layer and chunk (2 layers, p = 2) without SP.
-    assert [c["dgrad_slots"] for c in cases if c["setting"] in ("p2", "p2-k2", "s2")] == [8, 8, 8]
+    assert [c["dgrad_slots"] for c in cases if c["setting"] in ("p2", "p2-k2", "s2")] == [8] * 6
     overlap = {s["setting"]: s for s in by_name["overlap"]["details"]["settings"]}
     assert overlap["p2-k2"]["counts"] == {"bwd ar": 12, "fwd ar": 24}
     assert overlap["s2"]["counts"] == {"bwd ar": 12, "fwd ar": 12}
-    assert overlap["sp-p2"]["counts"] == {"bwd ag": 12, "bwd rs": 12, "fwd ag": 12, "fwd rs": 12}
+    assert overlap["sp-s2"]["counts"] == overlap["sp-p2"]["counts"]  # sequence split, same
+    assert overlap["sp-p2"]["counts"] == {
+        "bwd ag": 12,
+        "bwd regather": 12,
+        "bwd rs": 12,
+        "fwd ag": 12,
+        "fwd rs": 12,
+    }
     assert all(s["passed"] and s["timing"] == "wall clock" for s in overlap.values())
     rows = by_name["gemm"]["details"]["rows"]
     assert [(r["p"], r["k"]) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert rows[0]["fwd_ratio"] == rows[0]["bwd_ratio"] == 1.0
     assert all(r["fwd_tflops"] > 0 and r["bwd_tflops"] > 0 for r in rows)
+
+
+def test_a_skipped_part_fails_the_run_and_says_why(tmp_path):
+    """Megatron-Core shadowed by an empty ``megatron`` package: the equivalence part cannot
+    run, so the check must not exit 0 (it did, naming the skip beside "passed")."""
+    (tmp_path / "shadow" / "megatron").mkdir(parents=True)
+    (tmp_path / "shadow" / "megatron" / "__init__.py").write_text("")
+    done = _run_wrapper(
+        tmp_path / "out",
+        *("--device", "cpu", "--quick", "--parts", "equivalence"),
+        timeout=120,
+        pythonpath=tmp_path / "shadow",
+    )
+    assert done.returncode == 3, done.stdout[-4000:] + done.stderr[-4000:]
+    overall = next(line for line in done.stdout.splitlines() if line.startswith("**Overall"))
+    assert overall.startswith("**Overall: INCOMPLETE, not passed (exit status 3")
+    assert "1. equivalence (TP=2, loss + grads) was skipped: megatron.core is not importable" in (
+        overall
+    )
+    record = json.loads((tmp_path / "out" / "latest" / "results.json").read_text())
+    assert record["overall"] == "incomplete"
+    assert [p["status"] for p in record["parts"]] == ["passed", "skipped"]
+
+
+def test_skipped_cases_make_a_passed_part_incomplete():
+    passed = PartResult(name="gemm", title="3. GEMM", status="passed", summary="ok")
+    assert verdict([passed]) == ("passed", "**Overall: passed.**")
+    partial = PartResult(
+        name="overlap",
+        title="2. overlap",
+        status="passed",
+        summary="ok",
+        skipped_cases=["sp-p2: a collective it needs is unsupported"],
+    )
+    state, line = verdict([passed, partial])
+    assert state == "incomplete" and "2. overlap skipped 1 case(s): sp-p2: a collective" in line
+    failed = PartResult(name="probe", title="0. probe", status="failed", summary="", reason="x")
+    state, line = verdict([failed, partial])
+    assert state == "failed" and line.startswith("**Overall: FAILED: 0. probe. Also not run:")
+    assert EXIT_STATUS == {"passed": 0, "failed": 1, "incomplete": 3}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
@@ -186,10 +241,11 @@ def test_unsupported_collectives_skip_cases_with_the_reason():
     nothing = parts.staging_plan(dict.fromkeys(probe.COLLECTIVES, False), "never")
     part = parts.run_equivalence("cuda", True, nothing, budget_s=1)
     assert part.status == "skipped" and "all_reduce" in part.reason
+    assert len(part.skipped_cases) == 10 and verdict([part])[0] == "incomplete"  # 5 x 2 dtypes
     sp_only = parts.staging_plan({"all_reduce": True}, "never")
     part = parts.run_overlap("cpu", True, sp_only, budget_s=0.001)
     # The plain settings run (and fail on the impossible budget); sp-p2 is skipped by name.
-    assert part.status == "failed" and any("skipped sp-p2" in note for note in part.notes)
+    assert part.status == "failed" and part.skipped_cases[0].startswith("sp-p2: ")
 
 
 def test_gemm_configurations_put_the_baseline_first_and_validate():
@@ -264,7 +320,5 @@ def test_gpu_check_on_cuda(tmp_path):
     print(done.stdout[-8000:])
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-6000:]
     record = json.loads((tmp_path / "latest" / "results.json").read_text())
-    assert record["environment"]["gpu"]
-    for part in record["parts"]:
-        assert part["status"] in ("passed", "skipped"), part
-        assert part["status"] == "passed" or part["reason"], part
+    assert record["environment"]["gpu"] and record["overall"] == "passed"
+    assert all(part["status"] == "passed" for part in record["parts"]), record["parts"]

@@ -2,14 +2,17 @@
 
 Two ranks (two processes sharing the GPU, gloo) build each model once, then
 :func:`megatron_domino.equivalence.compare_with_stock` (the comparison the CPU test suite
-makes) runs the stock block, Domino for each setting, and stock again after ``revert``:
-per-token loss and every gradient within :data:`megatron_domino.equivalence.TOLERANCES`, no
-collective left in flight, and the reverted model reproducing the reference up to the
-run-to-run difference of two stock runs.
+makes) runs the stock block, Domino for each setting, and stock again after ``revert``. fp32:
+the per-token loss and every gradient within ``atol 1e-6, rtol 1e-5`` of stock. bf16: stock and
+Domino both measured against an fp32 model with the same weights, and Domino's norm-relative
+error on the loss and on each gradient within 1.5 x stock's own
+(:data:`megatron_domino.equivalence.BF16_BOUND`). Always: no collective left in flight, and
+the reverted model reproducing the reference up to the run-to-run difference of two stock runs.
 
-Cases are (flavour, dtype, setting): ``p2`` and ``p2-k2`` on the plain model, ``sp-p2`` on the
-same model with ``--sequence-parallel``. The parent plans them (:func:`plan`) and drops the
-ones whose collectives gloo cannot run here when host staging is off.
+Cases are (flavour, dtype, setting): ``p2``, ``p2-k2`` and ``s2`` on the plain model, ``sp-p2``
+and ``sp-s2`` on the same model with ``--sequence-parallel``, in bf16 and fp32 on either device (bf16 runs
+on the CPU too, so the CPU test covers its code). The parent plans them (:func:`plan`) and
+drops the ones whose collectives gloo cannot run here when host staging is off.
 """
 
 from __future__ import annotations
@@ -19,16 +22,23 @@ from itertools import groupby
 __all__ = ["CASE_SETTINGS", "equivalence_rank", "merge_ranks", "plan"]
 
 #: Settings compared, by model kind (see :data:`megatron_domino.gpu_check.models.SETTINGS`).
-CASE_SETTINGS = ("p2", "p2-k2", "s2", "sp-p2")
+CASE_SETTINGS = ("p2", "p2-k2", "s2", "sp-p2", "sp-s2")
+#: The bf16-only numbers of a row (``None`` in fp32 rows), merged over ranks by their maximum.
+BF16_FIELDS = (
+    "domino_error",
+    "stock_error",
+    "loss_error",
+    "stock_loss_error",
+    "limit_use",
+)
 
 
 def plan(*, device: str, quick: bool) -> list[dict]:
-    """The cases to run: fp32 on the CPU; bf16 and fp32 on CUDA; ``llama`` only with --quick."""
-    dtypes = ["float32"] if device == "cpu" else ["bfloat16", "float32"]
+    """The cases to run: bf16 and fp32 on either device; ``llama`` only with --quick."""
     flavours = ["llama"] if quick else ["gpt", "llama"]
     return [
         dict(flavour=flavour, dtype=dtype, setting=setting)
-        for dtype in dtypes
+        for dtype in ("bfloat16", "float32")
         for flavour in flavours
         for setting in CASE_SETTINGS
     ]
@@ -41,6 +51,23 @@ def _say(message: str) -> None:
         print(f"[gpu_check rank 0] equivalence {message}", flush=True)
 
 
+def _bf16_numbers(result, stock_errors: dict[str, float], bound) -> dict[str, object]:
+    """Row fields of a bf16 setting: worst gradient errors against fp32 (Domino's and stock's,
+    each over all gradients), the loss's, and the largest share of the bound used."""
+    from megatron_domino.equivalence import worst_gradient_error
+
+    errors = result.relative_errors
+    name, worst = worst_gradient_error(errors)
+    return dict(
+        worst_tensor=name,
+        domino_error=worst,
+        stock_error=worst_gradient_error(stock_errors)[1],
+        loss_error=errors["loss"],
+        stock_loss_error=stock_errors["loss"],
+        limit_use=max(errors[n] / bound.limit(stock_errors[n]) for n in stock_errors),
+    )
+
+
 def equivalence_rank(
     cases: list[dict], device: str, quick: bool, staged: list[str]
 ) -> dict[str, object]:
@@ -48,7 +75,13 @@ def equivalence_rank(
 
     Entry point for :func:`~megatron_domino.ranks.run_ranks` (``init="megatron"``).
     """
-    from megatron_domino.equivalence import compare_with_stock, token_batch, tolerance_for
+    from megatron_domino.equivalence import (
+        RelativeErrorBound,
+        compare_with_stock,
+        fp32_reference_model,
+        token_batch,
+        tolerance_for,
+    )
     from megatron_domino.gpu_check.host_staging import host_staged
     from megatron_domino.gpu_check.models import (
         MICRO_BATCH,
@@ -76,25 +109,42 @@ def equivalence_rank(
             model = build_on_device(options, device)
             batch = token_batch(options, MICRO_BATCH, device=device)
             tolerance = tolerance_for(options)
-            report = compare_with_stock(model, batch, settings, tolerance)
+            bf16 = isinstance(tolerance, RelativeErrorBound)
+            reference = fp32_reference_model(options, model) if bf16 else None
+            report = compare_with_stock(model, batch, settings, tolerance, fp32_reference=reference)
+            criterion = (
+                str(tolerance)
+                if bf16
+                else f"vs stock: atol {tolerance['atol']:g}, rtol {tolerance['rtol']:g}"
+            )
             where = dict(flavour=flavour, dtype=dtype)
             for name, result in report.settings.items():
+                numbers = dict.fromkeys(BF16_FIELDS, None) | dict(worst_tensor=None)
+                if bf16:
+                    numbers |= _bf16_numbers(result, report.stock_relative_errors, tolerance)
                 rows.append(
                     dict(
                         where,
                         setting=name,
                         passed=result.passed,
                         max_error=result.max_error,
-                        tolerance=f"atol {tolerance['atol']:g}, rtol {tolerance['rtol']:g}",
+                        tolerance=criterion,
                         mismatches=result.mismatches[:3],
                         mismatch_count=len(result.mismatches),
                         left_pending=result.left_pending,
                         dgrad_slots=result.dgrad_slots,
+                        **numbers,
                     )
                 )
+                vs_fp32 = (
+                    f"; vs fp32 worst gradient Domino {numbers['domino_error']:.2e}, stock "
+                    f"{numbers['stock_error']:.2e}, {numbers['limit_use']:.2f} of the bound"
+                    if bf16
+                    else ""
+                )
                 _say(
-                    f"{flavour} {dtype} {name}: max |diff| {result.max_error:.2e} "
-                    f"({rows[-1]['tolerance']}) -> {'ok' if result.passed else 'FAILED'}"
+                    f"{flavour} {dtype} {name}: max |Domino - stock| {result.max_error:.2e}"
+                    f"{vs_fp32} -> {'ok' if result.passed else 'FAILED'}"
                 )
             model_name = "sp" if sequence_parallel else "plain"
             rows.append(
@@ -108,9 +158,11 @@ def equivalence_rank(
                     mismatch_count=0,
                     left_pending=0,
                     dgrad_slots=0,
+                    worst_tensor=None,
+                    **dict.fromkeys(BF16_FIELDS, None),
                 )
             )
-            del model
+            del model, reference
     return dict(rows=rows, numerics=numerics)
 
 
@@ -124,5 +176,9 @@ def merge_ranks(per_rank: list[dict]) -> list[dict]:
         row["mismatches"] = [m for r in rows for m in r["mismatches"]][:3]
         row["mismatch_count"] = max(r["mismatch_count"] for r in rows)
         row["left_pending"] = max(r["left_pending"] for r in rows)
+        if row["domino_error"] is not None:
+            for key in BF16_FIELDS:
+                row[key] = max(r[key] for r in rows)
+            row["worst_tensor"] = max(rows, key=lambda r: r["domino_error"])["worst_tensor"]
         merged.append(row)
     return merged

@@ -15,7 +15,7 @@ from __future__ import annotations
 __all__ = ["OVERLAP_SETTINGS", "LAYERS", "merge_ranks", "overlap_rank"]
 
 #: Settings recorded: row chunks, chunks with column pieces, pieces alone, and SP.
-OVERLAP_SETTINGS = ("p2", "p2-k2", "p1-k2", "s2", "sp-p2")
+OVERLAP_SETTINGS = ("p2", "p2-k2", "p1-k2", "s2", "sp-p2", "sp-s2")
 LAYERS = 3
 
 

@@ -6,8 +6,11 @@ the GEMM-efficiency table (part 3); then writes ``results.json`` and ``summary.m
 directory under ``--out-dir`` (``latest`` points at it) and prints the detail tables and, last,
 the summary table.
 
-Exit status: 0 when no part failed (skipped parts are named in the summary), 1 when a part
-failed, 2 when the requested device is missing.
+Exit status: 0 when every part ran and passed; 1 when a part failed; 2 when the requested
+device is missing; 3 when nothing failed but a part or a case inside one was skipped (a
+missing package, a collective gloo lacks under ``--host-staging never``): no part is skipped
+by design on either device, so a skip means the check is incomplete, and it says which and
+why in the summary's Overall line (:func:`~megatron_domino.gpu_check.results.verdict`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,13 @@ import sys
 from pathlib import Path
 
 from megatron_domino.gpu_check import gemm, parts
-from megatron_domino.gpu_check.results import environment, summary_table, write_results
+from megatron_domino.gpu_check.results import (
+    EXIT_STATUS,
+    environment,
+    summary_table,
+    verdict,
+    write_results,
+)
 
 __all__ = ["DEFAULT_BUDGETS_S", "PARTS", "main", "parse_args"]
 
@@ -104,8 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="What to do about collectives gloo cannot run on device tensors: auto stages "
         "those the probe did not confirm through host memory (a test-only shim, reported in "
-        "the summary); never skips the cases that need them, with the reason; always stages "
-        "every collective (tests the shim). Default: auto.",
+        "the summary); never skips the cases that need them, with the reason (the run is then "
+        "incomplete, exit status 3); always stages every collective (tests the shim). "
+        "Default: auto.",
     )
     parser.add_argument(
         "--budget",
@@ -226,4 +236,4 @@ def main(argv: list[str] | None = None) -> int:
         if part.table:
             print(f"\n### {part.title}\n\n{part.table}")
     print("\n" + summary_table(env, results, run_dir), flush=True)
-    return 1 if any(p.status == "failed" for p in results) else 0
+    return EXIT_STATUS[verdict(results)[0]]

@@ -38,6 +38,8 @@ SETTINGS: dict[str, tuple[dict, bool]] = {
     "p1-k2": (dict(chunks=1, column_chunks=2), False),
     "sp-p2": (dict(chunks=2), True),
     "s2": (dict(chunks=2, split_along="sequence"), False),
+    # The sequence split under SP (chunk-major layout), as Megatron-LM runs TE at micro-batch 1.
+    "sp-s2": (dict(chunks=2, split_along="sequence"), True),
 }
 
 #: The collectives a model needs, by sequence parallelism (Domino's and Megatron-Core's own:

@@ -2,7 +2,9 @@
 
 Each function returns a :class:`~megatron_domino.gpu_check.results.PartResult` and never
 raises for a failure of the thing it checks: a rank that crashes or hangs past the budget is a
-``failed`` part with the traceback's last lines as the reason. The parent imports neither
+``failed`` part with the traceback's last lines as the reason. A part that cannot run is
+``skipped`` with the reason, and cases a part had to leave out are its ``skipped_cases``: the
+run's verdict counts both as incomplete, never as passed. The parent imports neither
 Megatron-Core nor the model code; the ranks do (:mod:`megatron_domino.ranks`).
 """
 
@@ -170,9 +172,9 @@ def run_equivalence(
         else:
             cases.append(case)
     notes = collectives.staging_note()
-    notes += [
-        f"skipped {c['flavour']} {c['dtype']} {c['setting']}: gloo cannot run "
-        f"{', '.join(m)} on {device} tensors and --host-staging is never"
+    skipped_cases = [
+        f"{c['flavour']} {c['dtype']} {c['setting']}: gloo cannot run {', '.join(m)} on "
+        f"{device} tensors and --host-staging is never"
         for c, m in skipped
     ]
     if not cases:
@@ -181,6 +183,7 @@ def run_equivalence(
         )
         part = _skipped("equivalence", title, reason, budget_s)
         part.notes = notes
+        part.skipped_cases = skipped_cases
         return part
     say(
         f"equivalence: {len(cases)} cases on 2 ranks ({device}), budget {budget_s:.0f} s, "
@@ -197,23 +200,32 @@ def run_equivalence(
         notes=notes,
     )
     if failed_part is not None:
+        failed_part.skipped_cases = skipped_cases
         return failed_part
     rows = check_equivalence.merge_ranks(per_rank)
     failed = [r for r in rows if not r["passed"]]
-    worst = max(rows, key=lambda r: r["max_error"] if "revert" not in r["setting"] else -1)
     summary = (
-        f"{len(rows) - len(failed)} of {len(rows)} checks passed "
-        f"({len(cases)} Domino cases + revert); largest |diff| {worst['max_error']:.2e} "
-        f"({worst['flavour']} {worst['dtype']} {worst['setting']}, {worst['tolerance']})"
+        f"{len(rows) - len(failed)} of {len(rows)} checks passed ({len(cases)} Domino cases "
+        "+ revert)"
     )
+    fp32 = [r for r in rows if r["dtype"] == "float32" and "revert" not in r["setting"]]
+    if fp32:
+        worst = max(fp32, key=lambda r: r["max_error"])
+        summary += (
+            f"; fp32 largest |Domino - stock| {worst['max_error']:.2e} ({worst['flavour']} "
+            f"{worst['setting']}, {worst['tolerance']})"
+        )
+    bf16 = [r for r in rows if r["domino_error"] is not None]
+    if bf16:
+        worst = max(bf16, key=lambda r: r["limit_use"])
+        summary += (
+            f"; bf16 vs fp32, worst gradient Domino {max(r['domino_error'] for r in bf16):.2e} "
+            f"/ stock {max(r['stock_error'] for r in bf16):.2e}, at most "
+            f"{worst['limit_use']:.2f} of the bound ({worst['flavour']} {worst['setting']}, "
+            f"{worst['tolerance']})"
+        )
     if skipped:
-        summary += f"; {len(skipped)} cases skipped (see notes)"
-    table = "| model | dtype | setting | max abs diff | tolerance | result |\n|---|---|---|---|---|---|\n"
-    table += "\n".join(
-        f"| {r['flavour']} | {r['dtype']} | {r['setting']} | {r['max_error']:.2e} | "
-        f"{r['tolerance']} | {'passed' if r['passed'] else 'FAILED: ' + _row_problem(r)} |"
-        for r in rows
-    )
+        summary += f"; {len(skipped)} cases skipped"
     return PartResult(
         name="equivalence",
         title=title,
@@ -227,12 +239,33 @@ def run_equivalence(
         elapsed_s=time.monotonic() - start,
         budget_s=budget_s,
         notes=notes,
+        skipped_cases=skipped_cases,
         details={
             "cases": rows,
             "skipped": [dict(c, missing=m) for c, m in skipped],
             "numerics": per_rank[0]["numerics"],
         },
-        table=table,
+        table=_equivalence_table(rows),
+    )
+
+
+def _equivalence_table(rows: list[dict]) -> str:
+    """One line per case: the difference from stock, and in bf16 the errors against fp32."""
+
+    def pair(row: dict, domino: str, stock: str) -> str:
+        return "-" if row[domino] is None else f"{row[domino]:.2e} / {row[stock]:.2e}"
+
+    table = (
+        "| model | dtype | setting | max abs diff vs stock | worst gradient vs fp32 "
+        "(Domino / stock) | loss vs fp32 (Domino / stock) | share of bound | criterion | "
+        "result |\n|---|---|---|---|---|---|---|---|---|\n"
+    )
+    return table + "\n".join(
+        f"| {r['flavour']} | {r['dtype']} | {r['setting']} | {r['max_error']:.2e} | "
+        f"{pair(r, 'domino_error', 'stock_error')} | {pair(r, 'loss_error', 'stock_loss_error')} | "
+        f"{'-' if r['limit_use'] is None else format(r['limit_use'], '.2f')} | {r['tolerance']} | "
+        f"{'passed' if r['passed'] else 'FAILED: ' + _row_problem(r)} |"
+        for r in rows
     )
 
 
@@ -255,10 +288,14 @@ def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: fl
         missing = collectives.missing_for(SETTINGS[setting][1])
         (skipped if missing else settings).append(setting)
     notes = collectives.staging_note()
-    notes += [f"skipped {s}: a collective it needs is unsupported on {device}" for s in skipped]
+    skipped_cases = [
+        f"{s}: a collective it needs is unsupported on {device} and --host-staging is never"
+        for s in skipped
+    ]
     if not settings:
         part = _skipped("overlap", title, "every setting needs a missing collective", budget_s)
         part.notes = notes
+        part.skipped_cases = skipped_cases
         return part
     timing = "CUDA events" if device == "cuda" else "wall clock"
     say(f"overlap: {', '.join(settings)} on 2 ranks, {timing}, budget {budget_s:.0f} s")
@@ -273,6 +310,7 @@ def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: fl
         notes=notes,
     )
     if failed_part is not None:
+        failed_part.skipped_cases = skipped_cases
         return failed_part
     rows = check_overlap.merge_ranks(per_rank)
     failed = [r for r in rows if not r["passed"]]
@@ -319,6 +357,7 @@ def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: fl
         elapsed_s=time.monotonic() - start,
         budget_s=budget_s,
         notes=notes,
+        skipped_cases=skipped_cases,
         details={"settings": rows, "skipped": skipped},
         table=table,
     )

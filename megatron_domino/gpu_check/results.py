@@ -1,8 +1,12 @@
 """The GPU check's results: one record per part, the machine it ran on, Markdown and JSON.
 
 Every part ends ``passed``, ``failed`` or ``skipped``; ``failed`` and ``skipped`` carry the
-reason. :func:`write_results` saves ``results.json`` (everything, machine-readable) and
-``summary.md`` (the detail tables, then the summary table) into one directory per run.
+reason. The run's verdict (:func:`verdict`) is ``failed`` when a part failed, else
+``incomplete`` when a part, or a case inside a part, was skipped: every part runs on either
+device (none needs Transformer Engine, and ``--device cpu`` runs the same cases), so a skip is
+never by design, and a skipped check must not read as a passed one. :func:`write_results`
+saves ``results.json`` (everything, machine-readable) and ``summary.md`` (the detail tables,
+then the summary table) into one directory per run.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["PartResult", "environment", "summary_table", "write_results"]
+__all__ = ["PartResult", "environment", "summary_table", "verdict", "write_results"]
 
 STATUSES = ("passed", "failed", "skipped")
+#: The run's verdicts, and the exit status of ``python -m megatron_domino.gpu_check`` for each
+#: (2 is taken: no CUDA device).
+EXIT_STATUS = {"passed": 0, "failed": 1, "incomplete": 3}
 
 
 @dataclass
@@ -34,7 +41,9 @@ class PartResult:
         reason: why it failed or was skipped (``None`` when it passed).
         elapsed_s: wall time the part took.
         budget_s: its time budget.
-        notes: caveats the reader must see (host staging, budget cut-offs, skipped cases).
+        notes: caveats the reader must see (host staging, budget cut-offs).
+        skipped_cases: cases of this part that did not run, each with the reason (they make
+            the run incomplete even when the part passed).
         details: everything measured, for the JSON file.
         table: a Markdown detail table, printed before the summary.
     """
@@ -47,6 +56,7 @@ class PartResult:
     elapsed_s: float = 0.0
     budget_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    skipped_cases: list[str] = field(default_factory=list)
     details: dict = field(default_factory=dict)
     table: str = ""
 
@@ -100,6 +110,38 @@ def _cell(text: str) -> str:
     return " ".join(str(text).split()).replace("|", "\\|")
 
 
+def verdict(parts: list[PartResult]) -> tuple[str, str]:
+    """The run's verdict (a key of :data:`EXIT_STATUS`) and the summary's overall line.
+
+    ``failed`` if any part failed; else ``incomplete`` if any part or case was skipped (the
+    line names each, with its reason); else ``passed``.
+    """
+    failed = [p.title for p in parts if p.status == "failed"]
+    not_run = [
+        f"{p.title} was skipped: {(p.reason or '').rstrip('.')}"
+        for p in parts
+        if p.status == "skipped"
+    ]
+    not_run += [
+        f"{p.title} skipped {len(p.skipped_cases)} case(s): {'; '.join(p.skipped_cases)}"
+        for p in parts
+        if p.skipped_cases and p.status != "skipped"
+    ]
+    if failed:
+        line = "FAILED: " + ", ".join(failed)
+        if not_run:
+            line += ". Also not run: " + ". ".join(not_run)
+        return "failed", f"**Overall: {line}.**"
+    if not_run:
+        return "incomplete", (
+            "**Overall: INCOMPLETE, not passed (exit status "
+            f"{EXIT_STATUS['incomplete']}; a skipped check checks nothing): "
+            + ". ".join(not_run)
+            + ".**"
+        )
+    return "passed", "**Overall: passed.**"
+
+
 def summary_table(env: dict, parts: list[PartResult], results_path: Path | None = None) -> str:
     """The Markdown summary: one row per part, then the overall verdict and the caveats."""
     machine = env["gpu"] or f"CPU ({env['processor']})"
@@ -116,12 +158,7 @@ def summary_table(env: dict, parts: list[PartResult], results_path: Path | None 
             f"| {_cell(part.title)} | {part.status} | {part.elapsed_s:.0f} s of "
             f"{part.budget_s:.0f} s | {_cell(result)} |"
         )
-    failed = [p.title for p in parts if p.status == "failed"]
-    skipped = [p.title for p in parts if p.status == "skipped"]
-    verdict = "FAILED: " + ", ".join(failed) if failed else "passed"
-    if skipped:
-        verdict += f" (skipped: {', '.join(skipped)})"
-    lines += ["", f"**Overall: {verdict}.**"]
+    lines += ["", verdict(parts)[1]]
     notes = [f"{p.title}: {note}" for p in parts for note in p.notes]
     if notes:
         lines += ["", "Notes:", *[f"- {_cell(note)}" for note in notes]]
@@ -136,7 +173,7 @@ def write_results(out_dir: Path, env: dict, parts: list[PartResult], argv: list[
     record = {
         "environment": env,
         "argv": argv,
-        "overall": "failed" if any(p.status == "failed" for p in parts) else "passed",
+        "overall": verdict(parts)[0],
         "parts": [asdict(p) for p in parts],
     }
     (out_dir / "results.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
