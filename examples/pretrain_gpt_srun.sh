@@ -7,6 +7,12 @@
 #   MODEL=llama2-7b DOMINO=1 MOCK=1 sbatch examples/pretrain_gpt_srun.sh
 #   DRY_RUN=1 MOCK=1 bash examples/pretrain_gpt_srun.sh             # print the command only
 #
+# Restarts on its own: if training stops before TRAIN_ITERS (a rank or node dies, or SLURM's
+# SIGTERM 5 minutes before the time limit makes every rank save and exit), the job
+# requeues itself (up to MAX_REQUEUES=3 times; same job id, so the same RUN_DIR) and
+# resumes from the latest complete checkpoint in CHECKPOINT_DIR (default RUN_DIR/checkpoints,
+# every SAVE_INTERVAL=1000 iterations; CHECKPOINT_DIR= turns checkpoints and restarts off).
+#
 # Knobs (MODEL, TP, MICRO_BATCH_SIZE, DOMINO, ...) are environment variables: see
 # examples/README.md. Add --partition/--account on the sbatch command line.
 #SBATCH --job-name=domino-gpt
@@ -15,6 +21,9 @@
 #SBATCH --gpus-per-node=8
 #SBATCH --exclusive
 #SBATCH --time=01:00:00
+#SBATCH --requeue
+#SBATCH --open-mode=append
+#SBATCH --signal=TERM@300
 set -euo pipefail
 
 # sbatch runs a copy of this file from its spool directory; the checkout is then found
@@ -28,6 +37,9 @@ if ! source "$examples/lib/common.sh"; then
 fi
 
 recipe_setup srun
+CHECKPOINT_DIR=${CHECKPOINT_DIR-$RUN_DIR/checkpoints}
 recipe_pretrain_args "$DOMINO" "$RUN_DIR"
 recipe_launcher
-recipe_run pretrain "$RUN_DIR/train.log"
+status=0
+recipe_run pretrain "$RUN_DIR/train.log" || status=$?
+recipe_requeue_unfinished "$status"

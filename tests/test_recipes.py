@@ -202,7 +202,7 @@ def test_fp8_and_local_layer_knobs_reach_the_flags(monkeypatch):
     [
         ({"DOMINO_BACKWARD_OVERLAP": "0"}, "add SEQUENCE_PARALLEL=0"),
         ({"SEQUENCE_PARALLEL": "0"}, "DOMINO_BACKWARD_OVERLAP=0"),
-        ({"DOMINO_SPLIT": "sequence"}, "needs Megatron-Core's local layers"),
+        ({"DOMINO_COLUMN_CHUNKS": "2"}, "needs Megatron-Core's local layers"),
         ({"TRANSFORMER_IMPL": "te"}, "must be transformer_engine or local"),
     ],
 )
@@ -216,7 +216,7 @@ def test_domino_settings_transformer_engine_refuses_are_refused_before_launch(
     fixed = {
         "DOMINO_BACKWARD_OVERLAP": {"SEQUENCE_PARALLEL": "0"},
         "SEQUENCE_PARALLEL": {"DOMINO_BACKWARD_OVERLAP": "0"},
-        "DOMINO_SPLIT": {"TRANSFORMER_IMPL": "local", "MICRO_BATCH_SIZE": "1"},
+        "DOMINO_COLUMN_CHUNKS": {"TRANSFORMER_IMPL": "local"},
         "TRANSFORMER_IMPL": {"TRANSFORMER_IMPL": "local"},
     }[next(iter(knobs))]
     done = run_script(SCRIPTS["srun"], MOCK="1", DOMINO="1", **{**knobs, **fixed})
@@ -338,9 +338,16 @@ def test_baseline_omits_domino_and_environment_overrides_reach_the_flags(monkeyp
     assert args.log_json == "/scratch/run1/log.jsonl"
 
 
-def test_micro_batch_one_needs_column_chunks_in_local_layers(monkeypatch):
+def test_micro_batch_one_splits_the_sequence_or_needs_local_layers_for_columns(monkeypatch):
     refused = run_script(SCRIPTS["srun"], check=False, MOCK="1", DOMINO="1", MICRO_BATCH_SIZE="1")
-    assert refused.returncode == 1 and "DOMINO_COLUMN_CHUNKS" in refused.stderr
+    assert refused.returncode == 1 and "DOMINO_SPLIT=sequence" in refused.stderr
+    # The way out it gives runs with the defaults: Transformer Engine layers and SP.
+    sequence_split = {"MICRO_BATCH_SIZE": "1", "DOMINO_SPLIT": "sequence"}
+    done = run_script(SCRIPTS["srun"], MOCK="1", DOMINO="1", **sequence_split)
+    [(_, flags)] = launches(done.stdout)
+    args = accepted(flags, world_size=8, monkeypatch=monkeypatch)
+    assert args.transformer_impl == "transformer_engine" and args.sequence_parallel
+    assert (args.micro_batch_size, args.domino_split_along) == (1, "sequence")
     column_split = {"MICRO_BATCH_SIZE": "1", "DOMINO_CHUNKS": "1", "DOMINO_COLUMN_CHUNKS": "4"}
     refused = run_script(SCRIPTS["srun"], check=False, MOCK="1", DOMINO="1", **column_split)
     assert refused.returncode == 1 and "add TRANSFORMER_IMPL=local" in refused.stderr
@@ -403,6 +410,63 @@ def test_sbatch_headers_match_the_launch_style():
         text = (EXAMPLES / SCRIPTS[style]).read_text()
         assert f"#SBATCH --ntasks-per-node={tasks}\n" in text
         assert "#SBATCH --gpus-per-node=8\n" in text and "set -euo pipefail" in text
+        # Restarts and resumes on its own, and says so (tests/test_faults.py runs the faults).
+        assert "# Restarts on its own:" in text and "requeues itself" in text
+        assert "#SBATCH --requeue\n" in text and "#SBATCH --signal=TERM@300\n" in text
+        assert ("MAX_RESTARTS=3" in text) == (style == "torchrun")
+
+
+@pytest.mark.parametrize("style", sorted(SCRIPTS))
+def test_recipes_checkpoint_and_resume_by_default(style, monkeypatch):
+    done = run_script(SCRIPTS[style], MOCK="1", DOMINO="1", RUN_DIR="/scratch/run")
+    [(launcher, flags)] = launches(done.stdout)
+    args = accepted(flags, world_size=8, monkeypatch=monkeypatch)
+    assert args.save == args.load == "/scratch/run/checkpoints" and args.exit_signal_handler
+    assert ("--max-restarts" in launcher) == (style == "torchrun")
+    if style == "torchrun":
+        assert option(launcher, "--max-restarts") == "3"
+    assert exports(done.stdout)["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    [(_, flags)] = launches(run_script(SCRIPTS[style], MOCK="1", CHECKPOINT_DIR="").stdout)
+    assert "--save" not in flags and "--exit-signal-handler" not in flags
+
+
+@pytest.mark.parametrize(
+    ("tracker", "restarts", "status", "requeued", "returned"),
+    [
+        ("100", "0", "0", False, 0),  # finished: nothing to do
+        ("40", "0", "0", True, 0),  # SIGTERM before the time limit: saved at 40, requeue
+        ("40", "1", "1", True, 0),  # a rank died, requeued once before: again
+        ("40", "3", "1", False, 1),  # MAX_REQUEUES reached: the failure stands
+        (None, "0", "0", True, 0),  # stopped before the first checkpoint: start over
+    ],
+)
+def test_an_unfinished_job_requeues_itself(tmp_path, tracker, restarts, status, requeued, returned):
+    """recipe_requeue_unfinished against a stand-in scontrol, after runs that stopped early."""
+    (tmp_path / "bin").mkdir()
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.calls\n')
+    scontrol.chmod(0o755)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    if tracker is not None:
+        (checkpoints / "latest_checkpointed_iteration.txt").write_text(tracker)
+    script = f'source {EXAMPLES}/lib/common.sh; recipe_requeue_unfinished "$STATUS"'
+    done = subprocess.run(
+        ["bash", "-c", script],
+        env={
+            "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "DRY_RUN": "0", "STATUS": status,
+            "TRAIN_ITERS": "100", "MAX_REQUEUES": "3", "SLURM_JOB_ID": "4242",
+            "SLURM_RESTART_COUNT": restarts, "RUN_DIR": str(tmp_path / "run"),
+            "CHECKPOINT_DIR": str(checkpoints),
+        },
+        capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert done.returncode == returned, done.stderr
+    calls = tmp_path / "scontrol.calls"
+    assert (calls.read_text() if calls.exists() else "") == ("requeue 4242\n" if requeued else "")
+    if tracker != "100":
+        assert "# training stopped at iteration" in (tmp_path / "run" / "train.log").read_text()
 
 
 @pytest.mark.parametrize("launcher", ["srun", "torchrun", "local"])

@@ -27,7 +27,7 @@ RECIPE_OPTIONAL_MODEL_KEYS=(ROTARY_BASE)
 
 #: The variables recipe_setup exports to every rank (printed by recipe_run).
 RECIPE_EXPORTS=(CUDA_DEVICE_MAX_CONNECTIONS TORCH_NCCL_AVOID_RECORD_STREAMS OMP_NUM_THREADS
-    MASTER_ADDR MASTER_PORT)
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE MASTER_ADDR MASTER_PORT)
 
 recipe_die() {
     echo "${0##*/}: error: $*" >&2
@@ -265,6 +265,11 @@ synthetic data."
 
     PYTHON=${PYTHON:-python}
     TORCHRUN=${TORCHRUN:-torchrun}
+    # Restarts without a person: torchrun's in the allocation (torchrun style), SLURM's requeue
+    # of an unfinished job (recipe_requeue_unfinished).
+    MAX_RESTARTS=${MAX_RESTARTS:-3}
+    MAX_REQUEUES=${MAX_REQUEUES:-3}
+    recipe_require_int MAX_RESTARTS MAX_REQUEUES
     local run_id=${SLURM_JOB_ID:-$(date +%Y%m%d-%H%M%S)}
     RUN_DIR=${RUN_DIR:-$PWD/runs/$MODEL_NAME-tp$TP-${NNODES}n-$run_id}
 
@@ -283,6 +288,11 @@ synthetic data."
     # torchrun sets 1 thread per rank; set the same under plain srun so both launch styles
     # run alike (8 ranks x all cores of CPU threads would oversubscribe the node).
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    # torchrun's agent shares its rendezvous TCPStore with the ranks by default, and the store
+    # keeps the keys of the attempt before a restart (--max-restarts): the restarted ranks read
+    # a dead rank's address and NCCL's (or gloo's) connect fails (pytorch/pytorch#135712, still
+    # so in torch 2.13). With 1 every attempt's rank 0 hosts a fresh store. No effect under srun.
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
     # Rank 0's host and a port; the srun style's ranks read them (pretrain_gpt_domino.py
     # takes rank and world size from SLURM_PROCID/SLURM_NTASKS), torchrun's rendezvous uses
     # them. The port is derived from the job id so two jobs sharing a node do not collide.
@@ -309,11 +319,10 @@ recipe_check_domino() {
     if [[ $DOMINO_SPLIT == batch ]] && ((DOMINO_CHUNKS > 1 && MICRO_BATCH_SIZE % DOMINO_CHUNKS)); then
         recipe_die "DOMINO_CHUNKS=$DOMINO_CHUNKS does not divide MICRO_BATCH_SIZE=\
 $MICRO_BATCH_SIZE: use a micro-batch that is a multiple of it, or at micro-batch 1 \
-TRANSFORMER_IMPL=local with DOMINO_CHUNKS=1 DOMINO_COLUMN_CHUNKS=2 (or more)."
+DOMINO_SPLIT=sequence (chunks of tokens; any TRANSFORMER_IMPL)."
     fi
     if [[ $TRANSFORMER_IMPL == transformer_engine ]]; then
         ((DOMINO_COLUMN_CHUNKS > 1)) && local_only+=("DOMINO_COLUMN_CHUNKS=$DOMINO_COLUMN_CHUNKS")
-        [[ $DOMINO_SPLIT == sequence ]] && local_only+=("DOMINO_SPLIT=sequence")
         if ((${#local_only[@]})); then
             recipe_die "${local_only[*]} needs Megatron-Core's local layers: add \
 TRANSFORMER_IMPL=local (Transformer Engine's are the default)."
@@ -419,9 +428,10 @@ recipe_pretrain_args() {
     [[ -n ${TENSORBOARD_DIR:-} ]] && LOGGING_ARGS+=(--tensorboard-dir "$TENSORBOARD_DIR")
     CHECKPOINT_ARGS=()
     if [[ -n ${CHECKPOINT_DIR:-} ]]; then
-        # Save to and resume from the same directory, as Megatron-LM's examples do.
+        # Save to and resume from the same directory, as Megatron-LM's examples do; on SIGTERM
+        # (SLURM's, before the time limit) every rank finishes its iteration, saves and exits.
         CHECKPOINT_ARGS=(--save "$CHECKPOINT_DIR" --load "$CHECKPOINT_DIR"
-            --save-interval "${SAVE_INTERVAL:-1000}")
+            --save-interval "${SAVE_INTERVAL:-1000}" --exit-signal-handler)
     fi
 
     DOMINO_ARGS=()
@@ -462,10 +472,12 @@ recipe_launcher() {
         ;;
     torchrun)
         # One task per node; torchrun starts the node's ranks and the c10d rendezvous on the
-        # first node numbers them, so every node runs the identical command.
+        # first node numbers them, so every node runs the identical command. When a rank dies,
+        # torchrun restarts all of them (up to MAX_RESTARTS times), and they resume from the
+        # latest checkpoint.
         LAUNCH_CMD=(srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1
             "${srun_args[@]}" "${torchrun[@]}" --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE"
-            --rdzv-id "${SLURM_JOB_ID:-0}" --rdzv-backend c10d
+            --max-restarts "$MAX_RESTARTS" --rdzv-id "${SLURM_JOB_ID:-0}" --rdzv-backend c10d
             --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" "$script")
         ;;
     local)
@@ -486,6 +498,34 @@ recipe_print() {
     done < <(compgen -e | grep -E '^(NCCL_|UCX_|FI_)' || true)
     printf '%q ' "${LAUNCH_CMD[@]}" "${PRETRAIN_ARGS[@]}" | sed 's/ $//'
     echo
+}
+
+# recipe_requeue_unfinished STATUS: after a run that ended with STATUS, put this SLURM job back
+# in the queue if training stopped before TRAIN_ITERS, so that it resumes from the latest
+# checkpoint on its own: a rank or a node died, or SLURM's SIGTERM before the time limit
+# (#SBATCH --signal) made every rank save and exit (--exit-signal-handler). A requeued job
+# keeps its id, so RUN_DIR and CHECKPOINT_DIR stay the same. At most MAX_REQUEUES times
+# (SLURM_RESTART_COUNT counts them). Returns STATUS, or 1 for a stop before the end that is
+# not requeued. Megatron-LM saves when training ends, so a tracker at TRAIN_ITERS means done.
+recipe_requeue_unfinished() {
+    local status=$1 reached=0 requeues=${SLURM_RESTART_COUNT:-0}
+    local tracker=${CHECKPOINT_DIR:+$CHECKPOINT_DIR/latest_checkpointed_iteration.txt}
+    ((DRY_RUN)) && return 0
+    [[ -n $tracker && -f $tracker ]] && reached=$(<"$tracker")
+    [[ $reached == "$TRAIN_ITERS" ]] && return "$status"
+    local stopped="# training stopped at iteration $reached of $TRAIN_ITERS (status $status)"
+    if [[ -z ${SLURM_JOB_ID:-} || -z $tracker ]]; then
+        echo "$stopped; not requeued (no SLURM job or no CHECKPOINT_DIR)" | tee -a "$RUN_DIR/train.log"
+    elif ((requeues >= MAX_REQUEUES)); then
+        echo "$stopped; not requeued: requeued $requeues times already (MAX_REQUEUES)" |
+            tee -a "$RUN_DIR/train.log"
+    else
+        echo "$stopped; requeueing job $SLURM_JOB_ID ($((requeues + 1)) of $MAX_REQUEUES)" |
+            tee -a "$RUN_DIR/train.log"
+        scontrol requeue "$SLURM_JOB_ID" && return 0
+    fi
+    ((status)) && return "$status"
+    return 1
 }
 
 # recipe_run LABEL LOG: print the command; unless DRY_RUN=1, run it and tee its output to LOG.

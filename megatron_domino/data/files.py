@@ -9,6 +9,7 @@ all at once or not at all, so that an interrupted run never leaves a ``.bin`` wi
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -77,9 +78,12 @@ def staged_outputs(output_dir: str | os.PathLike, *, commit_marker: str) -> Iter
     On success every file written there is moved into ``output_dir`` with ``os.replace``:
     ``commit_marker`` is deleted first and moved last, so a reader that trusts only outputs
     listed by a present marker never sees a mix of old and new files, even if the process is
-    killed half-way through publishing. Other files already in ``output_dir`` are left alone.
+    killed half-way through publishing. Other files already in ``output_dir`` are left alone,
+    and folders created for it are removed again if the body raises: a failed run leaves the
+    file system as it found it.
     """
     output_dir = Path(output_dir)
+    created = [folder for folder in (output_dir, *output_dir.parents) if not folder.exists()]
     output_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=output_dir))
     try:
@@ -94,5 +98,11 @@ def staged_outputs(output_dir: str | os.PathLike, *, commit_marker: str) -> Iter
             if name != commit_marker:
                 os.replace(staging / name, output_dir / name)
         os.replace(staging / commit_marker, output_dir / commit_marker)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        for folder in created:  # innermost first; only if still empty
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

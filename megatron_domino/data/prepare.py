@@ -38,6 +38,7 @@ from megatron.core.datasets.indexed_dataset import (
     get_idx_path,
 )
 
+from megatron_domino.data.checks import check_sentencepiece_model
 from megatron_domino.data.corpus import (
     STDLIB_DEFAULT_MAX_BYTES,
     Corpus,
@@ -49,7 +50,6 @@ from megatron_domino.data.files import (
     DataFileError,
     content_digest,
     digest,
-    require_readable_file,
     staged_outputs,
 )
 
@@ -171,7 +171,7 @@ def prepare(
     settings = settings or SentencePieceSettings()
     num_threads = num_threads or os.cpu_count() or 1
     if tokenizer_model is not None:
-        tokenizer_model = require_readable_file(
+        tokenizer_model = check_sentencepiece_model(
             tokenizer_model,
             what="--tokenizer-model",
             fix="Pass a SentencePiece .model file, or leave the flag out to train one.",
@@ -229,12 +229,16 @@ def train_sentencepiece(
     unchanged; byte fallback spells any unseen character as UTF-8 bytes instead of ``<unk>``.
     """
     reading_error: list[Exception] = []
+    text_lines = 0
 
     def lines() -> Iterator[str]:
         # SentencePiece turns an exception raised by the iterator into a RuntimeError; keep
         # the original (e.g. a CorpusError naming the bad line) to re-raise it.
+        nonlocal text_lines
         try:
-            yield from _training_lines(corpus)
+            for line in _training_lines(corpus):
+                text_lines += bool(line.strip())
+                yield line
         except Exception as err:
             reading_error.append(err)
             raise
@@ -270,6 +274,11 @@ def train_sentencepiece(
     except RuntimeError as err:
         if reading_error:
             raise reading_error[0] from None
+        if not text_lines:  # SentencePiece says only "[!sentences_.empty()]"
+            raise CorpusError(
+                f"{corpus.description}: no text to train a tokenizer on (every document is "
+                "empty or blank); pass files that hold text."
+            ) from None
         raise SettingsError(f"SentencePiece cannot train with {settings}: {err}") from err
     Path(output_model).write_bytes(model.getvalue())
     logger.info("trained the tokenizer in %.1f s", time.monotonic() - started)
@@ -319,7 +328,10 @@ def write_indexed_dataset(
         final=True,
     )
     if num_documents == 0:
-        raise CorpusError("the corpus has no non-empty documents; nothing to train on.")
+        raise CorpusError(
+            f"{corpus.description}: no non-empty documents, nothing to train on; pass files "
+            "that hold text."
+        )
     return {
         "num_documents": num_documents,
         "num_tokens": num_tokens,

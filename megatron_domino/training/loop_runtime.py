@@ -15,6 +15,23 @@ Two sets of :class:`~megatron_domino.cpu_runtime.Patch` es, each undone on exit:
   to exist when the runtime is entered (:meth:`Patch.applied` raises otherwise) and the
   training script asserts the TP layout it got.
 
+And on every machine, the checkpoint writer's result queue, created up front by
+:func:`start_write_results_queue`: ``dist_checkpointing`` passes each save's results through a
+``multiprocessing`` manager process it spawns on the first save. SLURM signals every process of
+a job step before its time limit, so with ``--exit-signal-handler`` that manager died of the
+SIGTERM that asks the rank to save, and the save the signal asked for failed with
+``ConnectionRefusedError``. Here it ignores SIGTERM and SIGINT (the rank that owns it decides
+when to stop) and dies with its rank (``PR_SET_PDEATHSIG``), so it never outlives a killed one
+(:mod:`.signal_shield`).
+
+And one exit hook, for ranks that fail: with ``--exit-signal-handler`` Megatron installs its
+SIGTERM handler before the DataLoader workers are forked, so they inherit it and SIGTERM only
+sets a flag in them (which keeps them alive through SLURM's signal, as the save needs). But a
+rank that dies of an exception keeps its data iterators referenced from the traceback, and
+``multiprocessing``'s exit function then sends SIGTERM to its daemonic children and joins them:
+forever. torchrun SIGKILLs it 30 s later; without torchrun it hangs. :func:`megatron_loop_runtime`
+registers :func:`_kill_daemonic_children` to run first at exit, with SIGKILL.
+
 And one on the CPU only, for correctness rather than to avoid a crash: the DataLoader draws
 its base seed from the CPU generator, which on the CPU is also the "CUDA" generator dropout
 draws from, so creating the data iterators would shift dropout's stream by a resume-dependent
@@ -26,9 +43,14 @@ File:line references are to the megatron-core 0.19.2 wheel.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
+import multiprocessing
+import os
+import signal
 from collections.abc import Iterator
+from multiprocessing.managers import SyncManager
 
 import torch
 from megatron.core.datasets import utils as datasets_utils
@@ -37,8 +59,14 @@ from megatron.training import arguments as megatron_arguments
 from megatron.training import training as megatron_training
 
 from megatron_domino.cpu_runtime import Patch, cpu_runtime
+from megatron_domino.training.signal_shield import shield_from_job_signals
 
-__all__ = ["CPU_LOOP_PATCHES", "WHEEL_PATCHES", "megatron_loop_runtime"]
+__all__ = [
+    "CPU_LOOP_PATCHES",
+    "WHEEL_PATCHES",
+    "megatron_loop_runtime",
+    "start_write_results_queue",
+]
 
 #: Megatron-LM asks the GPU's compute capability major (8 Ampere, 9 Hopper, 10 Blackwell) to
 #: choose defaults; on the CPU it is answered as a Hopper (H100/H200) would, our users' GPU.
@@ -152,15 +180,42 @@ CPU_LOOP_PATCHES: tuple[Patch, ...] = (
 )
 
 
+def start_write_results_queue() -> None:
+    """Create ``dist_checkpointing``'s write-results queue (``filesystem_async``, which would
+    otherwise create it in the first save) in a manager shielded from job signals."""
+    if filesystem_async._results_queue is not None:
+        return
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=shield_from_job_signals, initargs=(os.getpid(),))
+    filesystem_async._results_queue = manager.Queue()  # the proxy keeps the manager alive
+
+
+def _kill_daemonic_children() -> None:
+    """At exit: SIGKILL the daemonic children ``multiprocessing`` would SIGTERM and join
+    (without torch's SIGCHLD handler, which would report each as a failed DataLoader worker)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
+_EXIT_HOOK_REGISTERED = False
+
+
 @contextlib.contextmanager
 def megatron_loop_runtime() -> Iterator[None]:
     """Everything Megatron-LM's ``pretrain`` needs here, for the body; undone on exit.
 
-    With CUDA: :data:`WHEEL_PATCHES` only. Without: the CPU runtime, :data:`CPU_LOOP_PATCHES`
-    and the checkpoint writer's result queue created up front (its spawn-context manager
-    process re-imports ``__main__``; creating it before the loop starts keeps that out of the
-    first save's time).
+    With CUDA: :data:`WHEEL_PATCHES` only. Without: the CPU runtime and
+    :data:`CPU_LOOP_PATCHES`. On both, the checkpoint writer's result queue, created up front
+    and shielded from job signals (:func:`start_write_results_queue`; its spawn-context manager
+    process re-imports ``__main__``, and creating it before the loop starts also keeps that
+    out of the first save's time), and the exit hook of the module docstring.
     """
+    global _EXIT_HOOK_REGISTERED
+    if not _EXIT_HOOK_REGISTERED:  # for the process's exit, after the runtime is undone
+        atexit.register(_kill_daemonic_children)
+        _EXIT_HOOK_REGISTERED = True
     with contextlib.ExitStack() as stack:
         for patch in WHEEL_PATCHES:
             stack.enter_context(patch.applied())
@@ -168,5 +223,5 @@ def megatron_loop_runtime() -> Iterator[None]:
             stack.enter_context(cpu_runtime())
             for patch in CPU_LOOP_PATCHES:
                 stack.enter_context(patch.applied())
-            filesystem_async.get_write_results_queue()
+        start_write_results_queue()
         yield

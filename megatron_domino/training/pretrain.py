@@ -7,13 +7,15 @@ The order is Megatron-LM's, with Domino's pieces where Megatron-LM leaves room f
    ``extra_args_provider`` adding ``--domino*`` (:func:`~megatron_domino.megatron_lm.add_domino_args`)
    and this script's ``--log-json``/``--domino-report``; right after Megatron's
    ``validate_args``, and before it builds the tokenizer or opens any log, Domino's own checks
-   run (:func:`~megatron_domino.megatron_lm.check_args`, and the flags this GPT path does not
-   implement), so a bad command line fails before anything is written;
+   run (:func:`~megatron_domino.megatron_lm.check_args`, the flags this GPT path does not
+   implement, and the files the run reads: :func:`.inputs.check_run_inputs`), so a bad command
+   line or a bad input file fails before anything is written;
 3. the model config is Megatron-LM's (``gpt_config_from_args``), with Domino's pre-wrap hook
    (every model chunk, before ``Float16Module``/DDP) and a check that the model-parallel
    layout and the TP RNG streams are the ones asked for;
 4. ``megatron.training.pretrain`` runs the rest, inside :func:`.loop_runtime.megatron_loop_runtime`
-   and with :class:`.loop_hooks.LoopHooks` around its ``train_step`` and ``evaluate``.
+   and with :class:`.loop_hooks.LoopHooks` around its ``train_step`` and ``evaluate``; a
+   checkpoint that does not fit fails with one line (:func:`.inputs.clear_load_errors`).
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_
 
 from megatron_domino.config import DominoConfigError, DominoUnsupportedError
 from megatron_domino.cpu_runtime import Patch
+from megatron_domino.data.files import DataFileError
 from megatron_domino.distributed import export_torchrun_environment
 from megatron_domino.training.gpt_steps import (
     forward_step,
     train_valid_test_datasets_provider,
     unsupported_flags,
 )
+from megatron_domino.training.inputs import CheckpointError, check_run_inputs, clear_load_errors
 from megatron_domino.training.loop_hooks import LoopHooks, add_loop_hook_args
 from megatron_domino.training.loop_runtime import megatron_loop_runtime
 from megatron_domino.version import UnsupportedMegatronVersion, check_megatron_core_version
@@ -82,6 +86,7 @@ def _script_checks(args: argparse.Namespace) -> None:
         from megatron_domino.megatron_lm import check_args
 
         check_args(args)
+    check_run_inputs(args)
 
 
 def _validate_then_check(validate_args):
@@ -155,7 +160,7 @@ def _run() -> None:
     model_config.pre_wrap_hooks.append(functools.partial(_announce, domino_config))
     hooks = LoopHooks(args.log_json, domino_report)
     with contextlib.ExitStack() as stack:
-        for patch in hooks.patches():
+        for patch in (*hooks.patches(), clear_load_errors()):
             stack.enter_context(patch.applied())
         pretrain(
             pretrain_cfg_container_from_args(args, model_config),
@@ -177,6 +182,8 @@ def main() -> None:
         DominoConfigError,
         DominoUnsupportedError,
         UnsupportedMegatronVersion,
+        DataFileError,
+        CheckpointError,
     ) as err:
         if os.environ.get("RANK", "0") == "0":  # every rank fails alike; one says why
             print(f"pretrain_gpt_domino.py: error: {err}", file=sys.stderr, flush=True)
