@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel import layers as megatron_layers
+from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
 from megatron_domino.recorder import LAUNCH, WAIT_BEGIN, WAIT_END, CollectiveLabel
 
@@ -99,9 +101,11 @@ class _ColumnLinearAsyncDgrad(torch.autograd.Function):
     """``Y = X @ W^T (+ b)`` whose backward leaves the ``dX`` all-reduce in flight.
 
     Shapes: ``X`` ``[s, b/p, h]``, ``W`` ``[n/tp, h]`` (this rank's rows), ``Y`` ``[s, b/p, n/tp]``.
-    With gradient-accumulation fusion (Megatron's ``main_grad``), ``dW`` is added into
-    ``W.main_grad`` in fp32 and a placeholder gradient is returned, as Megatron-Core does, so
-    its DDP hooks know the gradient is already accumulated.
+    With gradient-accumulation fusion (Megatron's ``main_grad``), ``dW`` is accumulated into
+    ``W.main_grad`` by Megatron-Core's fused weight-gradient GEMM
+    (:func:`accumulate_weight_gradient`) and a reused placeholder gradient is returned
+    (:func:`placeholder_gradient`), as Megatron-Core's own linear does, so its DDP hooks know
+    the gradient is already accumulated.
     """
 
     @staticmethod
@@ -125,8 +129,9 @@ class _ColumnLinearAsyncDgrad(torch.autograd.Function):
         grad_weight = grad_bias = None
         if ctx.needs_input_grad[1]:
             with label.recorder.region("wgrad_gemm", label.layer, label.chunk, "bwd"):
-                grad_2d = grad_output.reshape(-1, grad_output.shape[-1])
-                input_2d = linear_input.reshape(-1, linear_input.shape[-1])
+                grad_2d, input_2d = prepare_input_tensors_for_wgrad_compute(
+                    grad_output, linear_input
+                )
                 grad_weight = _weight_gradient(
                     weight, grad_2d, input_2d, ctx.accumulate_in_main_grad
                 )
@@ -136,18 +141,83 @@ class _ColumnLinearAsyncDgrad(torch.autograd.Function):
 
 
 def _weight_gradient(weight, grad_2d, input_2d, accumulate_in_main_grad: bool):
-    """``dW = dY^T @ X`` (``[n/tp, h]``), or its accumulation into ``weight.main_grad``."""
+    """``dW = dY^T @ X`` (``[n/tp, h]``), or its accumulation into ``weight.main_grad``.
+
+    ``grad_2d`` ``[s*b/p, n/tp]`` and ``input_2d`` ``[s*b/p, h]`` are contiguous.
+    """
     if not accumulate_in_main_grad:
         return grad_2d.t().matmul(input_2d)
-    weight.main_grad.addmm_(
-        grad_2d.t().to(weight.main_grad.dtype), input_2d.to(weight.main_grad.dtype)
-    )
+    accumulate_weight_gradient(weight.main_grad, input_2d, grad_2d)
     if not hasattr(weight, "grad_added_to_main_grad"):
         return None
     weight.grad_added_to_main_grad = True
-    # Megatron-Core returns a dummy gradient here so DDP's hooks run on the main thread.
-    make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
-    return make(weight.main_grad.shape, dtype=input_2d.dtype, device=input_2d.device)
+    # Megatron-Core returns a placeholder gradient here so DDP's hooks run on the main thread.
+    zero = getattr(weight, "zero_out_wgrad", False)
+    return placeholder_gradient(weight.main_grad.shape, input_2d.dtype, input_2d.device, zero=zero)
+
+
+def accumulate_weight_gradient(
+    main_grad: torch.Tensor, input_2d: torch.Tensor, grad_2d: torch.Tensor
+) -> None:
+    """``main_grad += grad_2d^T @ input_2d`` through Megatron-Core's fused weight-gradient GEMM.
+
+    The same call, with the same dtype contract, as Megatron-Core's own column-parallel linear
+    (``LinearWithGradAccumulationAndAsyncCommunication.backward``): the GEMM reads the
+    activation dtype (bf16/fp16) and accumulates in fp32 into an fp32 ``main_grad``
+    (``wgrad_gemm_accum_fp32``), or into a bf16/fp16 ``main_grad`` (``wgrad_gemm_accum_fp16``).
+    The kernels are Apex's ``fused_weight_gradient_mlp_cuda``, looked up where Megatron-Core
+    binds them (``megatron.core.tensor_parallel.layers``) at each call.
+
+    Args:
+        main_grad: ``[n/tp, h]``, the weight's gradient buffer (Megatron DDP's).
+        input_2d: ``[tokens, h]``, the linear's input.
+        grad_2d: ``[tokens, n/tp]``, its output gradient.
+    Raises:
+        RuntimeError: the fused kernels are not installed (Megatron-Core's linear refuses
+            ``gradient_accumulation_fusion`` then too), or ``main_grad`` has another dtype.
+    """
+    if not megatron_layers._grad_accum_fusion_available:
+        raise RuntimeError(
+            "gradient_accumulation_fusion is on but Megatron-Core found no "
+            "fused_weight_gradient_mlp_cuda (Apex's CUDA extension); install Apex with its "
+            "CUDA extensions or turn gradient accumulation fusion off "
+            "(--no-gradient-accumulation-fusion)."
+        )
+    kernels = megatron_layers.fused_weight_gradient_mlp_cuda
+    if main_grad.dtype == torch.float32:
+        kernels.wgrad_gemm_accum_fp32(input_2d, grad_2d, main_grad)
+    elif main_grad.dtype in (torch.float16, torch.bfloat16):
+        kernels.wgrad_gemm_accum_fp16(input_2d, grad_2d, main_grad)
+    else:
+        raise RuntimeError(
+            f"Unsupported gradient type {main_grad.dtype} for gradient accumulation fusion"
+        )
+
+
+#: Placeholder gradients by (shape, dtype, device), when Transformer Engine is absent.
+_PLACEHOLDERS: dict[tuple, torch.Tensor] = {}
+
+
+def placeholder_gradient(
+    shape, dtype: torch.dtype, device: torch.device, *, zero: bool
+) -> torch.Tensor:
+    """The gradient a weight gets once its ``dW`` went into ``main_grad``: a reused buffer.
+
+    Its values are never read (DDP's hook skips a weight with ``grad_added_to_main_grad``),
+    except with ``zero_out_wgrad``, where it must be zeros. Megatron-Core's linear takes it
+    from TE's ``get_dummy_wgrad`` (one buffer per shape and dtype) when TE is installed, and
+    so does this; without TE it would allocate one per call, which a buffer per
+    ``(shape, dtype, device)`` avoids.
+    """
+    if megatron_layers.HAVE_TE:
+        return megatron_layers.get_dummy_wgrad(list(shape), dtype, zero=zero)
+    key = (tuple(shape), dtype, torch.device(device))
+    buffer = _PLACEHOLDERS.get(key)
+    if buffer is None:
+        buffer = _PLACEHOLDERS[key] = torch.empty(key[0], dtype=dtype, device=device)
+    if zero:
+        buffer.zero_()
+    return buffer.detach()
 
 
 def column_linear_async_dgrad(

@@ -26,7 +26,7 @@ from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
-from megatron_domino.chunking import join_chunks, make_chunks
+from megatron_domino.chunking import from_chunk_major, join_chunks, make_chunks, to_chunk_major
 from megatron_domino.config import DominoUnsupportedError
 from megatron_domino.schedule import run_layers
 from megatron_domino.state import DominoRuntime
@@ -67,6 +67,10 @@ def domino_block_forward(
     # the tensor-parallel RNG stream, as in the stock forward.
     rng = get_cuda_rng_tracker().fork() if runtime.sequence_parallel else contextlib.nullcontext()
     fp8 = get_fp8_context(block.config) if block.config.fp8 else contextlib.nullcontext()
+    # The sequence split under SP runs on the chunk-major layout (megatron_domino.chunking).
+    chunk_major = runtime.sequence_parallel and runtime.config.split_along == "sequence"
+    if chunk_major:
+        hidden_states = to_chunk_major(hidden_states, runtime.config, runtime.tp_group)
     with rng, fp8:
         for first, last, recomputed in layer_groups(block):
             group = functools.partial(run_group, first=first, last=last)
@@ -76,6 +80,8 @@ def domino_block_forward(
                 )
             else:
                 hidden_states = group(hidden_states)
+    if chunk_major:
+        hidden_states = from_chunk_major(hidden_states, runtime.config, runtime.tp_group)
 
     if block.final_layernorm is not None:
         hidden_states = block.final_layernorm(hidden_states)
@@ -117,7 +123,8 @@ def _run_group(
     Splits the input into the chunks, runs the schedule, and joins them again; called again
     with the same input when a recomputed range is replayed in backward.
     """
-    chunks = make_chunks(hidden_states, runtime.config, attention_inputs)
+    shards = runtime.tp_group.size() if runtime.sequence_parallel else 1
+    chunks = make_chunks(hidden_states, runtime.config, attention_inputs, sequence_shards=shards)
     with runtime.new_step(chunks):
         run_layers(runtime, block.layers[first:last], chunks, first_index=first)
         return join_chunks(chunks, runtime.config)

@@ -13,11 +13,25 @@ Two splits (``DominoConfig.split_along``):
   causal mask, built here when the caller passes none) and its own rows of the rotary
   embedding ``[s, 1, 1, d]``. This split works at micro-batch 1, where
   the batch split has nothing to split.
+
+**Sequence split under sequence parallelism.** Stock SP gives TP rank ``r`` of ``t`` the
+contiguous tokens ``[r*s/t, (r+1)*s/t)``. A chunk must be a contiguous token range of the
+*whole* sequence (chunk ``c`` may only need keys of chunks before it), so inside the block the
+residual stream is laid out **chunk-major** (:func:`to_chunk_major`): rank ``r`` holds, for
+each chunk ``c`` in order, the ``r``-th of its ``t`` pieces, tokens
+``[c*s/p + r*s/(p*t), c*s/p + (r+1)*s/(p*t))``. A chunk is then ``[s/(p*t), b, h]`` per rank,
+and the schedule's all-gather of its norm output yields the chunk's ``s/p`` tokens in order
+(and its reduce-scatter returns each rank's piece), exactly as for the batch split. The block
+enters and leaves that layout with one all-gather each (backward: a reduce-scatter each),
+outside the overlapped schedule: per block forward and backward ``4`` extra collectives of
+``[s, b, h]`` against ``8`` per layer that the schedule overlaps.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from megatron_domino.config import DominoConfig, DominoConfigError
 from megatron_domino.gpt_model import causal_attention_mask
@@ -28,7 +42,11 @@ SPLIT_DIMS = {"batch": 1, "sequence": 0}
 
 
 def make_chunks(
-    hidden_states: torch.Tensor, config: DominoConfig, attention_inputs: dict
+    hidden_states: torch.Tensor,
+    config: DominoConfig,
+    attention_inputs: dict,
+    *,
+    sequence_shards: int = 1,
 ) -> list[ChunkState]:
     """The ``p`` chunks of ``hidden_states`` ``[s, b, h]``, each with its attention inputs.
 
@@ -36,22 +54,24 @@ def make_chunks(
         attention_inputs: the block's ``attention_mask`` (``[1 or b, 1, s, s]``),
             ``attention_bias`` and rotary embeddings, as the stock block passes them to each
             layer's self-attention.
+        sequence_shards: under the sequence split with sequence parallelism, the TP size
+            ``t``: ``hidden_states`` is then this rank's ``[s/t, b, h]`` in the chunk-major
+            layout of :func:`to_chunk_major`, while masks and rotary rows cover all ``s``.
     Raises:
         DominoConfigError: the split dimension is not divisible by ``p``.
     """
     p, dim = config.chunks, SPLIT_DIMS[config.split_along]
     size = hidden_states.shape[dim]
     if size % p:
-        what = "Micro-batch size" if config.split_along == "batch" else "Sequence length"
-        raise DominoConfigError(
-            f"{what} {size} is not divisible by --domino-chunks {p} (--domino-split "
-            f"{config.split_along}); use a chunk count that divides it."
-        )
+        shards = sequence_shards if config.split_along == "sequence" else 1
+        raise DominoConfigError(_indivisible(config, size * shards, shards))
     slicer = _batch_slice if config.split_along == "batch" else _sequence_slice
-    if config.split_along == "sequence" and attention_inputs.get("attention_mask") is None:
-        # Megatron's default causal mask is square; chunk c's queries need rows of the full one.
-        mask = causal_attention_mask(size, hidden_states.device)
-        attention_inputs = {**attention_inputs, "attention_mask": mask}
+    if config.split_along == "sequence":
+        size *= sequence_shards  # the whole sequence, which masks and rotary rows cover
+        if attention_inputs.get("attention_mask") is None:
+            # Megatron's default causal mask is square; chunk c's queries need rows of it.
+            mask = causal_attention_mask(size, hidden_states.device)
+            attention_inputs = {**attention_inputs, "attention_mask": mask}
     return [
         ChunkState(
             index=c,
@@ -69,6 +89,62 @@ def join_chunks(chunks: list[ChunkState], config: DominoConfig) -> torch.Tensor:
     return torch.cat([chunk.hidden for chunk in chunks], dim=SPLIT_DIMS[config.split_along])
 
 
+def to_chunk_major(
+    hidden: torch.Tensor, config: DominoConfig, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """This rank's sequence shard ``[s/t, b, h]`` re-laid out chunk-major (module docstring).
+
+    One all-gather of the whole sequence (Megatron's
+    ``gather_from_sequence_parallel_region``; its backward reduce-scatters, which sums the one
+    rank's gradient each token has into its owner's shard), then this rank's pieces.
+    """
+    t, r, p = group.size(), group.rank(), config.chunks
+    _check_shardable(hidden.shape[0] * t, config, t)
+    pieces = _gather(hidden, group).chunk(p * t, dim=0)  # piece c*t + r' is chunk c, rank r'
+    return torch.cat([pieces[c * t + r] for c in range(p)], dim=0)
+
+
+def from_chunk_major(
+    hidden: torch.Tensor, config: DominoConfig, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """The inverse of :func:`to_chunk_major`: back to this rank's contiguous ``[s/t, b, h]``."""
+    t, r, p = group.size(), group.rank(), config.chunks
+    pieces = _gather(hidden, group).chunk(p * t, dim=0)  # rank r' holds pieces r'*p + c
+    # Token piece g (chunk g // t, rank g % t); this rank's contiguous shard is g in [r*p, r*p+p).
+    return torch.cat([pieces[(g % t) * p + g // t] for g in range(r * p, (r + 1) * p)], dim=0)
+
+
+def _gather(hidden: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``[s/t, b, h]`` -> ``[s, b, h]`` in rank order; backward: reduce-scatter."""
+    return gather_from_sequence_parallel_region(
+        hidden, tensor_parallel_output_grad=True, group=group
+    )
+
+
+def _check_shardable(seq_length: int, config: DominoConfig, shards: int) -> None:
+    if seq_length % (config.chunks * shards):
+        raise DominoConfigError(_indivisible(config, seq_length, shards))
+
+
+def _indivisible(config: DominoConfig, size: int, shards: int) -> str:
+    p = config.chunks
+    if config.split_along == "batch":
+        return (
+            f"Micro-batch size {size} is not divisible by --domino-chunks {p} (--domino-split "
+            "batch); use a chunk count that divides it."
+        )
+    if shards > 1:
+        return (
+            f"Sequence length {size} is not divisible by --domino-chunks {p} x "
+            f"--tensor-model-parallel-size {shards}: under --sequence-parallel each rank "
+            "holds an equal piece of every chunk. Use a chunk count p with s divisible by p x TP."
+        )
+    return (
+        f"Sequence length {size} is not divisible by --domino-chunks {p} (--domino-split "
+        "sequence); use a chunk count that divides it."
+    )
+
+
 def _batch_slice(name: str, tensor, c: int, p: int, batch: int):
     """Chunk ``c``'s samples of a per-sample tensor ``[b, ...]``; shared ones as they are."""
     per_sample = name in ("attention_mask", "attention_bias")
@@ -84,8 +160,10 @@ def _sequence_slice(name: str, tensor, c: int, p: int, seq_length: int):
         return None
     size = seq_length // p
     rows = slice(c * size, (c + 1) * size)
-    if name == "attention_mask":  # [*, 1, s, s]: own queries x keys of chunks 0..c
-        return tensor[..., rows, : (c + 1) * size]
+    if name == "attention_mask":
+        # [*, 1, s, s]: own queries x keys of chunks 0..c; contiguous, as the fused softmax
+        # kernel reads it as a dense [*, 1, s/p, (c+1)s/p] array.
+        return tensor[..., rows, : (c + 1) * size].contiguous()
     if name == "rotary_pos_emb":  # [s, 1, 1, d]
         return tensor[rows]
     raise DominoConfigError(

@@ -13,6 +13,8 @@ row-parallel output is already replicated on every tensor-parallel rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -73,7 +75,7 @@ class PendingReduce:
         if self._scatter:
             slot = SequenceCollective(self._group, self._label, piece)
             in_flight = launch_scatter(partial, slot)
-            self._waits.append(lambda: wait_scatter(in_flight, slot))
+            self._waits.append(lambda then=None: wait_scatter(in_flight, slot, then))
         else:
             self._waits.append(self._launch_all_reduce(partial.contiguous(), piece))
 
@@ -85,7 +87,7 @@ class PendingReduce:
             LAUNCH, label.name, label.layer, label.chunk, "fwd", piece, collective
         )
 
-        def wait() -> torch.Tensor:
+        def wait(then=None) -> torch.Tensor:
             label.recorder.record(
                 WAIT_BEGIN, label.name, label.layer, label.chunk, "fwd", piece, collective
             )
@@ -101,14 +103,22 @@ class PendingReduce:
     def in_flight(self) -> bool:
         return bool(self._waits)
 
-    def wait(self) -> torch.Tensor:
-        """Wait for every piece; the reduced output ``[s or s/tp, b/p, h]`` (pieces joined on h)."""
+    def wait(self, then_in_backward: Callable[[], None] | None = None) -> torch.Tensor:
+        """Wait for every piece; the reduced output ``[s or s/tp, b/p, h]`` (pieces joined on h).
+
+        Under sequence parallelism, ``then_in_backward`` runs in backward right after the
+        reduce-scatters' twins have launched their output-gradient all-gathers (the schedule
+        passes the launch of the chunk's column-linear input re-gather).
+        """
         if not self._waits:
             raise RuntimeError(
                 f"{self._label.name} of layer {self._label.layer} chunk "
                 f"{self._label.chunk} was waited twice or never launched."
             )
-        pieces = [wait() for wait in self._waits]
+        if then_in_backward is not None and not self._scatter:
+            raise RuntimeError("then_in_backward applies to reduce-scatters only.")
+        # Piece 0's twin is the last of the pieces' to run in backward.
+        pieces = [wait(then_in_backward if i == 0 else None) for i, wait in enumerate(self._waits)]
         self._waits.clear()
         output = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
         return output if self._bias is None else output + self._bias

@@ -55,8 +55,8 @@ class DominoConfig:
             "choices": ("batch", "sequence"),
             "help": "What the chunks split: batch (samples; independent chunks, needs a "
             "micro-batch of at least p) or sequence (token ranges; chunk j attends to the keys "
-            "of chunks <= j, so it works at micro-batch 1; causal attention, Megatron's local "
-            "attention, no --sequence-parallel).",
+            "of chunks <= j, so it works at micro-batch 1; causal attention, local or "
+            "Transformer Engine layers, with or without --sequence-parallel).",
         },
     )
     inter_layer: bool = field(
@@ -94,25 +94,39 @@ class DominoConfig:
             )
 
     def check_shapes(
-        self, *, micro_batch_size: int, hidden_size: int, seq_length: int | None = None
+        self,
+        *,
+        micro_batch_size: int,
+        hidden_size: int,
+        seq_length: int | None = None,
+        sequence_parallel_size: int = 1,
     ) -> None:
         """Raise :class:`DominoConfigError` unless the model's shapes can be split as asked.
 
-        ``seq_length`` is checked for the sequence split when given (else at the first step).
+        ``seq_length`` is checked for the sequence split when given (else at the first step);
+        under sequence parallelism (``sequence_parallel_size``, the TP size) every rank holds
+        an equal piece of every chunk, so ``p * TP`` must divide it.
         """
         if self.split_along == "sequence":
-            if seq_length is not None and seq_length % self.chunks:
+            pieces = self.chunks * sequence_parallel_size
+            if seq_length is not None and seq_length % pieces:
+                under_sp = (
+                    f" x --tensor-model-parallel-size {sequence_parallel_size} (under "
+                    "--sequence-parallel every rank holds an equal piece of every chunk)"
+                    if sequence_parallel_size > 1
+                    else ""
+                )
                 raise DominoConfigError(
                     f"--seq-length {seq_length} is not divisible by --domino-chunks "
-                    f"{self.chunks}: with --domino-split sequence each chunk holds the same "
-                    "number of tokens. Pick a chunk count that divides the sequence length."
+                    f"{self.chunks}{under_sp}: with --domino-split sequence each chunk holds the "
+                    "same number of tokens. Pick a chunk count that divides the sequence length."
                 )
         elif micro_batch_size % self.chunks:
             raise DominoConfigError(
                 f"--micro-batch-size {micro_batch_size} is not divisible by --domino-chunks "
                 f"{self.chunks}: each chunk must hold the same number of samples. Pick a "
-                "micro-batch that is a multiple of the chunk count, or use --domino-chunks 1 "
-                "with --domino-column-chunks >= 2 at micro-batch 1."
+                "micro-batch that is a multiple of the chunk count, or at micro-batch 1 use "
+                "--domino-split sequence (or --domino-chunks 1 with --domino-column-chunks >= 2)."
             )
         if hidden_size % self.column_chunks:
             raise DominoConfigError(

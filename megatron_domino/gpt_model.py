@@ -6,14 +6,17 @@ adds the checks that depend on the TP size. :func:`transformer_config` turns opt
 Megatron-Core's ``TransformerConfig``, :func:`layer_spec` picks the layer implementation and
 :func:`build_gpt_model` builds the ``GPTModel`` for the current model-parallel state.
 
-On the CPU the model is initialised there (``use_cpu_initialization``) and every Apex/TE
-fusion is off, since none of their kernels exist on the CPU. Pass
+On the CPU the model is initialised there (``use_cpu_initialization``) and, unless asked for,
+every Apex/TE fusion is off, since none of their kernels exist on the CPU (the fusion fields
+of :class:`GPTOptions` turn Megatron-LM's defaults back on where the CPU can run them). Pass
 :func:`causal_attention_mask` explicitly: Megatron's default causal mask is created on CUDA.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import sys
 from dataclasses import dataclass
 from typing import Literal
 
@@ -148,6 +151,26 @@ class GPTOptions:
     """``--fp8-amax-history-len``: steps of amax history (delayed scaling)."""
     fp8_amax_compute_algo: Literal["most_recent", "max"] = "most_recent"
     """``--fp8-amax-compute-algo``: which amax of the history sets the scale."""
+    gradient_accumulation_fusion: bool = False
+    """``--gradient-accumulation-fusion`` (on in Megatron-LM; off here unless asked for):
+    weight gradients are accumulated straight into Megatron DDP's fp32 (or bf16) ``main_grad``
+    by Apex's fused weight-gradient GEMM (``fused_weight_gradient_mlp_cuda``). Needs the model
+    wrapped in Megatron DDP, which creates ``main_grad``, and the kernels (the CPU tests bind a
+    stand-in where Megatron-Core looks them up)."""
+    bias_activation_fusion: bool | None = None
+    """``--bias-gelu-fusion`` / ``--bias-swiglu-fusion``: Megatron's jit-fused bias +
+    activation (runs on the CPU too). ``None``: on with CUDA and Transformer Engine, else off.
+    Without a bias the GeLU fusion is off, as Megatron-LM turns it off with
+    ``--disable-bias-linear``."""
+    bias_dropout_fusion: bool | None = None
+    """``--bias-dropout-fusion``: Megatron's jit-fused bias + dropout + residual add (runs on
+    the CPU too). ``None``: on with CUDA and Transformer Engine, else off."""
+    masked_softmax_fusion: bool | None = None
+    """``--masked-softmax-fusion``: Megatron's fused scale-mask-softmax kernel, used where it
+    applies (fp16/bf16, ``16 < keys <= 4096``, ...) and torch's softmax elsewhere. ``None``: on
+    with CUDA and Transformer Engine, else off. Without the CUDA extension (the CPU) only
+    where the kernel never applies: fp32, or sequences of at most 16 tokens (Megatron's
+    eligibility check itself imports the extension)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -295,16 +318,40 @@ def transformer_config(
 ) -> TransformerConfig:
     """Megatron-Core's ``TransformerConfig`` for ``options`` at the given TP and PP sizes.
 
-    Fusions: on the CPU, Apex and TE kernels do not exist, so all are off. With CUDA, the
-    bias-activation, bias-dropout-add and masked-softmax fusions are on for the TE
-    implementation only (the local spec would need Apex's softmax kernel).
-    ``gradient_accumulation_fusion`` stays off because it needs Megatron DDP's ``main_grad``
-    on every weight, and ``persist_layer_norm`` because it needs Apex.
+    Fusions: each of ``options``' fusion fields left at ``None`` is off on the CPU (Apex and
+    TE kernels do not exist there) and, with CUDA, on for the TE implementation only (the
+    local spec would need Apex's softmax kernel). ``gradient_accumulation_fusion`` is off
+    unless asked for, because it needs Megatron DDP's ``main_grad`` on every weight, and
+    ``persist_layer_norm`` is off because it needs Apex.
+
+    Raises:
+        GPTOptionsError: ``masked_softmax_fusion`` where Megatron's local attention would ask
+            for its fused-softmax CUDA extension (bf16, ``16 < seq_length <= 4096``) and the
+            extension is not installed.
     """
     options.check_tensor_parallel(tensor_model_parallel_size)
     cuda = torch.cuda.is_available()
     fused = cuda and options.transformer_impl == "transformer_engine"
     dtype = torch.bfloat16 if options.bf16 else torch.float32
+
+    def fusion(requested: bool | None) -> bool:
+        return fused if requested is None else requested
+
+    masked_softmax_fusion = fusion(options.masked_softmax_fusion)
+    local_softmax = not cuda or options.transformer_impl == "local"
+    if (
+        masked_softmax_fusion
+        and local_softmax
+        and options.bf16
+        and 16 < options.seq_length <= 4096
+        and not _importable(_SOFTMAX_KERNEL)
+    ):
+        raise GPTOptionsError(
+            f"--masked-softmax-fusion at --seq-length {options.seq_length} in bf16 runs "
+            f"Megatron's fused softmax, whose CUDA extension {_SOFTMAX_KERNEL} is not "
+            "installed; drop the fusion or use sequences of at most 16 tokens (where Megatron "
+            "takes torch's softmax)."
+        )
     return TransformerConfig(
         num_layers=options.num_layers,
         hidden_size=options.hidden_size,
@@ -335,13 +382,23 @@ def transformer_config(
         fp8_amax_compute_algo=options.fp8_amax_compute_algo,
         use_cpu_initialization=not cuda,
         # The gelu bias fusion requires a bias; Megatron-LM drops it with --disable-bias-linear.
-        bias_activation_fusion=fused and (options.swiglu or options.add_bias_linear),
-        bias_dropout_fusion=fused,
-        masked_softmax_fusion=fused,
+        bias_activation_fusion=fusion(options.bias_activation_fusion)
+        and (options.swiglu or options.add_bias_linear),
+        bias_dropout_fusion=fusion(options.bias_dropout_fusion),
+        masked_softmax_fusion=masked_softmax_fusion,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=options.gradient_accumulation_fusion,
         persist_layer_norm=False,
     )
+
+
+#: The extension Megatron's fused-softmax eligibility check imports (fusions/fused_softmax.py).
+_SOFTMAX_KERNEL = "scaled_masked_softmax_cuda"
+
+
+def _importable(module: str) -> bool:
+    """Whether ``import module`` would find it (also a stand-in put into ``sys.modules``)."""
+    return module in sys.modules or importlib.util.find_spec(module) is not None
 
 
 def layer_spec(options: GPTOptions) -> ModuleSpec:

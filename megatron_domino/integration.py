@@ -6,7 +6,8 @@ their core attentions. The classes stay untouched, so an unpatched model in the 
 (e.g. the baseline of an A/B test) is unaffected. No parameter is created or replaced: the schedule calls the model's own submodules. The returned
 :class:`DominoHandle` reverts exactly what was bound; applying twice raises, as does reverting
 twice. Everything Domino cannot run with is refused here, before the first step, with the
-reason and the fix: a silent fallback would turn an A/B comparison into baseline vs baseline.
+reason and the fix (FSDP wrapping the layers after ``apply_domino``: at the first forward): a
+silent fallback would turn an A/B comparison into baseline vs baseline.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from megatron_domino.block import domino_block_forward
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
 from megatron_domino.linears import column_parallel_forward, row_parallel_forward
 from megatron_domino.recorder import NULL_RECORDER, NullRecorder
-from megatron_domino.sequence_split import core_attention_forward
+from megatron_domino.sequence_split import core_attention_forward, is_te_core_attention
 from megatron_domino.state import DominoRuntime
 from megatron_domino.te_linears import (
     check_transformer_engine_version,
@@ -138,6 +141,54 @@ def recompute_problems(granularity: str | None, modules, *, fp8: bool) -> list[s
     return []
 
 
+def fsdp_problems(*, megatron_fsdp: bool, torch_fsdp2: bool) -> list[str]:
+    """Why Domino cannot run under fully sharded data parallelism (empty without it).
+
+    Megatron-FSDP (``--use-megatron-fsdp``) and PyTorch FSDP2 (``--use-torch-fsdp2``) shard
+    each ``TransformerLayer``'s parameters and gather them in hooks on that module: a forward
+    pre-hook before its forward, a post-hook that frees them after it, and a hook on its
+    outputs that gathers them again for backward. Domino never calls the layer module: it
+    runs the layer's submodules itself, chunk by chunk and across layer boundaries, so those
+    hooks would not fire and the layers would compute with sharded parameters (under FSDP2 the
+    first norm fails on a DTensor). Supporting it means gathering each layer for the whole
+    span its chunks run in, forward and backward; not done.
+    """
+    wrappers = (("--use-megatron-fsdp", megatron_fsdp), ("--use-torch-fsdp2", torch_fsdp2))
+    flags = [flag for flag, on in wrappers if on]
+    if not flags:
+        return []
+    return [
+        f"{' and '.join(flags)}: fully sharded data parallelism gathers each layer's parameters "
+        "in hooks on the TransformerLayer module, which Domino never calls (it runs the "
+        "layer's submodules itself, chunk by chunk), so the layers would compute with "
+        "sharded parameters; use Megatron's DDP (add --use-distributed-optimizer to shard "
+        "the optimizer state) or drop --domino"
+    ]
+
+
+def sharded_problems(block: torch.nn.Module) -> list[str]:
+    """:func:`fsdp_problems` of a built block whose layers FSDP already wrapped.
+
+    FSDP2's ``fully_shard`` turns each layer into an ``FSDPModule`` with DTensor parameters;
+    Megatron-FSDP marks every parameter it manages with ``__fsdp_param__`` (and Megatron's
+    FSDP2 wrapper with ``is_torch_fsdp2_param``). A layer's first parameter tells.
+    """
+    megatron_fsdp = torch_fsdp2 = False
+    for layer in getattr(block, "layers", ()):
+        param = next(layer.parameters(), None)
+        megatron_fsdp |= bool(getattr(param, "__fsdp_param__", False))
+        torch_fsdp2 |= isinstance(layer, FSDPModule) or isinstance(param, DTensor)
+        torch_fsdp2 |= bool(getattr(param, "is_torch_fsdp2_param", False))
+    return fsdp_problems(megatron_fsdp=megatron_fsdp, torch_fsdp2=torch_fsdp2)
+
+
+def _block_forward(block: TransformerBlock, *args, runtime: DominoRuntime, **kwargs):
+    """Domino's block forward, refusing layers FSDP wrapped after :func:`apply_domino` (a
+    library user may apply Domino first; FSDP's hooks on the layers would never run)."""
+    raise_problems(sharded_problems(block))
+    return domino_block_forward(block, *args, runtime=runtime, **kwargs)
+
+
 class DominoHandle:
     """What ``apply_domino`` bound, so it can be reverted; also a context manager.
 
@@ -201,7 +252,7 @@ def apply_domino(
     tp_group = block.layers[0].self_attention.linear_proj.tp_group
     runtime = DominoRuntime(config, tp_group, recorder, block.config.sequence_parallel)
     patched = [block]
-    block.forward = functools.partial(domino_block_forward, block, runtime=runtime)
+    block.forward = functools.partial(_block_forward, block, runtime=runtime)
     for layer in block.layers:
         for linear in (layer.self_attention.linear_proj, layer.mlp.linear_fc2):
             linear.forward = functools.partial(row_parallel_forward, linear, runtime=runtime)
@@ -270,12 +321,9 @@ def config_problems(model_config, config: DominoConfig, *, tp_size: int) -> list
 
 
 def _sequence_split_config_problems(model_config) -> list[str]:
+    """Under sequence parallelism the sequence split runs on a chunk-major layout
+    (:mod:`megatron_domino.chunking`); ``s`` divisible by ``p * TP`` is checked with the shapes."""
     problems = []
-    if model_config.sequence_parallel:
-        problems.append(
-            "--domino-split sequence cannot run with --sequence-parallel (which already shards "
-            "the tokens over the tensor-parallel ranks); use --domino-split batch"
-        )
     modules = model_config.recompute_modules or ()
     if model_config.recompute_granularity == "selective" and "core_attn" in modules:
         problems.append(
@@ -298,6 +346,7 @@ def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
     model_config = block.config
     tp_size = block.layers[0].self_attention.linear_proj.tp_group.size() if block.layers else 1
     problems = config_problems(model_config, config, tp_size=tp_size)
+    problems += sharded_problems(block)
     if not block.layers:
         problems.append("the block has no layers")
     linears = [module for layer in block.layers for module in _tp_linears(layer).values()]
@@ -321,16 +370,24 @@ def _refuse_unsupported(block: TransformerBlock, config: DominoConfig) -> None:
 
 def _sequence_split_problems(block: TransformerBlock) -> list[str]:
     """What the sequence split needs of the built layers: token ranges of a causal sequence,
-    attended by Megatron-Core's local attention (the config-level needs are in
-    :func:`config_problems`)."""
+    attended by Megatron-Core's local attention or Transformer Engine's, each given a chunk's
+    queries against more keys (see :mod:`megatron_domino.sequence_split`; the config-level
+    needs are in :func:`config_problems`)."""
     problems = []
     for index, layer in enumerate(block.layers):
         attention = getattr(layer, "self_attention", None)
         core = getattr(attention, "core_attention", None)
-        if type(core).forward is not DotProductAttention.forward:
+        te = is_te_core_attention(core)
+        if not te and type(core).forward is not DotProductAttention.forward:
             problems.append(
                 f"layer {index}: --domino-split sequence needs Megatron-Core's local "
-                f"DotProductAttention, not {type(core).__name__} (--transformer-impl local)"
+                f"DotProductAttention or Transformer Engine's, not {type(core).__name__}"
+            )
+        elif te and not (core.te_forward_mask_type and core.qkv_format == "sbhd"):
+            problems.append(
+                f"layer {index}: --domino-split sequence needs Transformer Engine's attention "
+                "to take the mask type per call (TE >= 0.12) in the sbhd layout (no packed "
+                "sequences), to give later chunks a bottom-right causal mask"
             )
         elif attention.attn_mask_type != AttnMaskType.causal:
             problems.append(

@@ -28,6 +28,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron_domino.backward_overlap import column_linear_async_dgrad
 from megatron_domino.collectives import PendingReduce
 from megatron_domino.recorder import time_backward
+from megatron_domino.sequence_parallel import keeping_input_shards
 from megatron_domino.state import DominoRuntime
 from megatron_domino.te_linears import is_te_linear, te_row_partial
 
@@ -114,7 +115,10 @@ def column_parallel_forward(
 
     Without sequence parallelism the GEMM's backward launches the dX all-reduce (waited by the
     identity the schedule placed on ``input_``). With it, ``input_`` was already gathered by
-    the schedule, whose gather nodes also reduce-scatter dX, so this is a plain GEMM.
+    the schedule, whose gather nodes also reduce-scatter dX, so this is Megatron's own GEMM
+    path, keeping only this rank's shard of ``input_`` for backward, as stock sequence
+    parallelism does
+    (:func:`~megatron_domino.sequence_parallel.keeping_input_shards`).
 
     Args:
         input_: ``[s, b/p, h]``, the norm output, replicated (or gathered) on every TP rank.
@@ -132,16 +136,17 @@ def column_parallel_forward(
         )
     bias = None if module.skip_bias_add else module.bias
     if runtime.sequence_parallel:
-        output = module._forward_impl(
-            input=input_,
-            weight=module.weight,
-            bias=bias,
-            gradient_accumulation_fusion=module.gradient_accumulation_fusion,
-            allreduce_dgrad=False,
-            sequence_parallel=False,
-            tp_group=None,
-            grad_output_buffer=None,
-        )
+        with keeping_input_shards(chunk.input_regather, input_):
+            output = module._forward_impl(
+                input=input_,
+                weight=module.weight,
+                bias=bias,
+                gradient_accumulation_fusion=module.gradient_accumulation_fusion,
+                allreduce_dgrad=False,
+                sequence_parallel=False,
+                tp_group=None,
+                grad_output_buffer=None,
+            )
         time_backward(
             output, runtime.recorder, f"{step.sublayer}_column_gemm", step.layer, chunk.index
         )

@@ -30,6 +30,7 @@ from megatron_domino.integration import (
     DominoHandle,
     apply_domino,
     config_problems,
+    fsdp_problems,
     raise_problems,
 )
 from megatron_domino.te_linears import te_problems
@@ -55,11 +56,16 @@ def check_args(args: argparse.Namespace) -> DominoConfig | None:
         micro_batch_size=args.micro_batch_size,
         hidden_size=args.hidden_size,
         seq_length=args.seq_length,
+        sequence_parallel_size=args.tensor_model_parallel_size if args.sequence_parallel else 1,
     )
     from megatron.training.arguments import core_transformer_config_from_args
 
     model_config = core_transformer_config_from_args(args)
     problems = config_problems(model_config, config, tp_size=args.tensor_model_parallel_size)
+    # Not in the TransformerConfig: Megatron-LM wraps the built model after the pre-wrap hook.
+    problems += fsdp_problems(
+        megatron_fsdp=args.use_megatron_fsdp, torch_fsdp2=args.use_torch_fsdp2
+    )
     if args.transformer_impl == "transformer_engine":
         problems += te_problems(
             config,
@@ -70,11 +76,6 @@ def check_args(args: argparse.Namespace) -> DominoConfig | None:
         problems.append(
             "FP8 runs only in Transformer Engine layers, and --transformer-impl local builds "
             "Megatron's own linears; use --transformer-impl transformer_engine or drop --fp8-format"
-        )
-    if config.split_along == "sequence" and args.transformer_impl != "local":
-        problems.append(
-            "--domino-split sequence needs Megatron-Core's local attention; use "
-            "--transformer-impl local or --domino-split batch"
         )
     raise_problems(problems)
     return config

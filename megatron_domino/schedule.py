@@ -46,7 +46,12 @@ from megatron.core.utils import make_viewless_tensor
 
 from megatron_domino.backward_overlap import DgradReduceSlot, wait_for_dgrad_reduce
 from megatron_domino.recorder import CollectiveLabel
-from megatron_domino.sequence_parallel import SequenceCollective, launch_gather, wait_gather
+from megatron_domino.sequence_parallel import (
+    SavedInputRegather,
+    SequenceCollective,
+    launch_gather,
+    wait_gather,
+)
 from megatron_domino.state import ChunkState, DominoRuntime
 
 Op = Callable[[ChunkState], None]
@@ -140,8 +145,13 @@ class LayerOps:
         return normed, residual
 
     def _bias_dropout_add(self, bda_module, chunk: ChunkState) -> torch.Tensor:
-        """Wait for the sub-layer's all-reduce, then Megatron's bias-dropout-add ``[s, b/p, h]``."""
-        output = chunk.pending.wait()
+        """Wait for the sub-layer's all-reduce, then Megatron's bias-dropout-add ``[s, b/p, h]``.
+
+        Under sequence parallelism the wait's backward also launches the re-gather of the
+        sub-layer's column-linear input, whose backward comes after another chunk's core op.
+        """
+        regather, chunk.input_regather = chunk.input_regather, None
+        output = chunk.pending.wait(regather.launch if regather is not None else None)
         bias, chunk.pending, chunk.pending_bias = chunk.pending_bias, None, None
         layer = self.layer
         with layer.bias_dropout_add_exec_handler():
@@ -154,8 +164,10 @@ class LayerOps:
     ) -> torch.Tensor:
         """Ready the norm output ``[s or s/tp, b/p, h]`` for the next column-parallel linear.
 
-        Under sequence parallelism: launch its all-gather (waited in the core op). Otherwise,
-        with backward overlap: place the backward wait of the linear's dX all-reduce.
+        Under sequence parallelism: launch its all-gather (waited in the core op), and with
+        autograd on, prepare the linear to keep only ``normed`` (this rank's shard) for
+        backward. Otherwise, with backward overlap: place the backward wait of the linear's
+        dX all-reduce.
         """
         runtime = self.runtime
         grad = torch.is_grad_enabled() and normed.requires_grad
@@ -163,6 +175,12 @@ class LayerOps:
             label = CollectiveLabel(f"{sublayer}_ag", self.index, chunk.index, runtime.recorder)
             chunk.gather_slot = SequenceCollective(runtime.tp_group, label)
             runtime.step.sequence_slots.append(chunk.gather_slot)
+            if grad:
+                label = CollectiveLabel(
+                    f"{sublayer}_regather", self.index, chunk.index, runtime.recorder
+                )
+                chunk.input_regather = SavedInputRegather(runtime.tp_group, label, normed)
+                runtime.step.regathers.add(chunk.input_regather)
             return launch_gather(normed, chunk.gather_slot)
         if not (runtime.config.backward_overlap and grad):
             return normed

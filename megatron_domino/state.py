@@ -16,6 +16,7 @@ read ``[s/p, b, h]``.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +26,7 @@ from megatron_domino.backward_overlap import DgradReduceSlot
 from megatron_domino.collectives import PendingReduce
 from megatron_domino.config import DominoConfig
 from megatron_domino.recorder import NULL_RECORDER, CollectiveLabel, NullRecorder
-from megatron_domino.sequence_parallel import SequenceCollective
+from megatron_domino.sequence_parallel import SavedInputRegather, SequenceCollective
 
 
 @dataclass
@@ -46,6 +47,10 @@ class ChunkState:
         gather_slot: under sequence parallelism, the all-gather of ``linear_input``
             (``[s/tp, b/p, h]`` to ``[s, b/p, h]``), launched in the norm op and waited in the
             core op.
+        input_regather: under sequence parallelism (with autograd on), what the column linear
+            of the sub-layer in progress keeps of its gathered input (this rank's shard), and
+            its backward re-gather, launched by the backward of the next wait of this chunk's
+            row-linear reduce-scatter.
         deferred_input: input of the row-parallel linear, captured while the core ran
             (``[s, b/p, n/tp]``), so the GEMM can run in the next op.
         pending: the row-parallel output whose all-reduce is in flight.
@@ -59,6 +64,7 @@ class ChunkState:
     linear_input: torch.Tensor | None = None
     dgrad_slot: DgradReduceSlot | None = None
     gather_slot: SequenceCollective | None = None
+    input_regather: SavedInputRegather | None = None
     deferred_input: torch.Tensor | None = None
     pending: PendingReduce | None = None
     pending_bias: torch.Tensor | None = None
@@ -79,6 +85,8 @@ class StepState:
     chunks: list[ChunkState]
     dgrad_slots: list[DgradReduceSlot] = field(default_factory=list)
     sequence_slots: list[SequenceCollective] = field(default_factory=list)
+    #: Held weakly: they keep activation shards, which must go with the autograd graph.
+    regathers: weakref.WeakSet[SavedInputRegather] = field(default_factory=weakref.WeakSet)
     key_values: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     active: ChunkState | None = None
     layer: int = -1
@@ -98,7 +106,8 @@ class StepState:
     @property
     def pending_backward(self) -> list:
         """Backward collectives launched but not yet waited."""
-        return [slot for slot in self.dgrad_slots + self.sequence_slots if slot.pending]
+        slots = [*self.dgrad_slots, *self.sequence_slots, *self.regathers]
+        return [slot for slot in slots if slot.pending]
 
 
 class DominoRuntime:

@@ -26,7 +26,12 @@ asynchronously, as it does for Megatron's linears:
   reduce-scatters it: the same sum the stock path forms. The norm weights' gradients become
   partial sums over the full sequence instead of complete sums over the shard; their sum
   over the TP ranks, which ``finalize_model_grads`` forms for every parameter TE marks
-  ``sequence_parallel``, is the same.
+  ``sequence_parallel``, is the same. Stock TE keeps its input and norm output as this
+  rank's shards ``[s/tp, b, h]`` for backward and gathers the norm output again there; TE
+  called on the full sequence would keep both whole, so the call runs under
+  :func:`~megatron_domino.sequence_parallel.keeping_input_shards`, which keeps this rank's
+  rows of both and gathers them again in backward (in bf16/fp16; an FP8 norm output is a
+  TE tensor subclass and is kept whole).
 * **Column-parallel without sequence parallelism**: the forward has no collective, and the
   backward's dX all-reduce stays TE's own, overlapped with TE's weight-gradient GEMM as in
   stock Megatron (Domino's forward is still bound, for the weight-gradient accumulation
@@ -60,6 +65,7 @@ from packaging.version import Version
 
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
 from megatron_domino.recorder import time_backward
+from megatron_domino.sequence_parallel import keeping_input_shards
 from megatron_domino.state import DominoRuntime
 
 __all__ = [
@@ -210,7 +216,11 @@ def te_column_parallel_forward(
             "than the input the schedule prepared for it; this module structure is "
             "unsupported."
         )
-    with _domino_call_settings(module, own_collectives=not runtime.sequence_parallel):
+    own_collectives = not runtime.sequence_parallel
+    with (
+        _domino_call_settings(module, own_collectives=own_collectives),
+        keeping_input_shards(None if own_collectives else chunk.input_regather, input_),
+    ):
         output, bias = type(module).forward(module, input_)
     time_backward(output, runtime.recorder, f"{step.sublayer}_column_gemm", step.layer, chunk.index)
     return output, bias

@@ -106,7 +106,9 @@ def _imports_child() -> None:
         sys.argv = [str(SCRIPT), *COMMON, *extra]
         try:
             args = parse_args(extra_args_provider=pretrain_gpt.extra_args_provider)
-            parsed = [getattr(args, k, None) for k in ("domino", "domino_chunks", "domino_column_chunks")]
+            parsed = [
+                getattr(args, k, None) for k in ("domino", "domino_chunks", "domino_column_chunks")
+            ]
         except SystemExit as stop:
             parsed = f"SystemExit({stop.code})"
         modules = sorted(m for m in sys.modules if m.split(".")[0] == "megatron_domino")

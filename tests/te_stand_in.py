@@ -10,6 +10,14 @@ weights (same shapes, initialisation and TP attributes) and reproduce, in plain 
   row: all-reduce the output (reduce-scatter under SP); column: forward copy with a backward
   all-reduce of the input gradient (under SP: all-gather the norm output, backward
   reduce-scatter). With ``parallel_mode=None`` there is none;
+* what the column linear keeps for backward: under SP, TE's ``LayerNormLinear`` keeps its
+  input and norm output as this rank's shards ``[s/tp, b, h]`` and all-gathers the norm output
+  again in backward. The stand-in runs its GEMM through Megatron's own column GEMM
+  (``_forward_impl``), which keeps the same shard and re-gathers it the same way, so the
+  stand-in saves what TE saves;
+* ``fuse_wgrad_accumulation`` (``gradient_accumulation_fusion``): both stand-ins' GEMMs
+  (Megatron's ``_forward_impl``) then accumulate the weight gradient into ``main_grad`` with
+  Megatron's fused weight-gradient GEMM, as TE accumulates into ``main_grad`` with its own;
 * the column linear normalises its input itself (the layer's own norm is ``IdentityOp``);
   under SP it normalises the sequence shard and then gathers, and its norm parameters are
   marked ``sequence_parallel`` (so ``finalize_model_grads`` sums their gradients over TP);
@@ -22,10 +30,23 @@ weights (same shapes, initialisation and TP attributes) and reproduce, in plain 
 What they do not model: FP8 arithmetic, TE's fused kernels, Userbuffers, and the per-module
 quantization context 0.19's wrappers enter around each call (only with ``quant_recipe``, which
 Domino refuses).
+
+:class:`StandInTEDotProductAttention` stands in for ``TEDotProductAttention`` (the TE spec's
+core attention; ``stand_in_te_layer_spec(te_attention=True)``), keeping the call contract
+Megatron's wrapper has with TE's ``DotProductAttention`` (TE >= 0.12, ``qkv_format="sbhd"``):
+Megatron passes ``attn_mask_type.name`` on every call, and TE's mask-type semantics
+(:func:`te_attention_reference`, from TE's ``DotProductAttention.forward`` docstring):
+``"causal"`` is aligned to the *top-left* corner of the ``[sq, sk]`` scores (query ``i`` sees
+keys ``j <= i``), ``"causal_bottom_right"`` to the bottom-right (``j <= i + sk - sq``); for both
+(and ``"no_mask"``) the mask tensor is not used; ``"arbitrary"`` applies it (True = masked).
+Grouped-query attention (``num_gqa_groups``), ``softmax_scale`` (default ``1/sqrt(d)``) and
+attention dropout in the TP RNG fork unless sequence parallel. Not modelled: padding masks,
+packed sequences, attention bias, sliding windows, FP8 attention, TE's backend selection.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -33,10 +54,9 @@ import torch.nn.functional as F
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.backends import LocalSpecProvider
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
@@ -97,7 +117,17 @@ class StandInTERowParallelLinear(_TEWrapperContract, RowParallelLinear):
     def forward(self, input_: torch.Tensor):
         """``[s, b, n/tp]`` -> ``([s or s/tp, b, h], bias-or-None)``."""
         self._start_call()
-        output = F.linear(input_, self.weight)
+        output = self._forward_impl(
+            input=input_,
+            weight=self.weight,
+            bias=None,
+            gradient_accumulation_fusion=(
+                self.fuse_wgrad_accumulation and hasattr(self.weight, "main_grad")
+            ),
+            allreduce_dgrad=False,
+            sequence_parallel=False,
+            tp_group=self.tp_group,
+        )
         if self.parallel_mode == "row" and self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output, group=self.tp_group)
         elif self.parallel_mode == "row":
@@ -121,12 +151,19 @@ class StandInTELayerNormColumnParallelLinear(_TEWrapperContract, ColumnParallelL
         """``[s or s/tp, b, h]`` -> ``([s, b, n/tp], bias-or-None)``."""
         self._start_call()
         normed = self.norm(input_)
-        if self.parallel_mode == "column" and self.sequence_parallel:
-            normed = gather_from_sequence_parallel_region(normed, group=self.tp_group)
-        elif self.parallel_mode == "column":
-            normed = copy_to_tensor_model_parallel_region(normed, group=self.tp_group)
-        bias = None if self.te_return_bias or not self.use_bias else self.bias
-        return self._outputs(F.linear(normed, self.weight, bias))
+        column = self.parallel_mode == "column"
+        output = self._forward_impl(
+            input=normed,
+            weight=self.weight,
+            bias=None if self.te_return_bias or not self.use_bias else self.bias,
+            gradient_accumulation_fusion=(
+                self.fuse_wgrad_accumulation and hasattr(self.weight, "main_grad")
+            ),
+            allreduce_dgrad=column and not self.sequence_parallel,
+            sequence_parallel=column and self.sequence_parallel,
+            tp_group=self.tp_group,
+        )
+        return self._outputs(output)
 
 
 class StandInTESpecProvider(LocalSpecProvider):
@@ -143,11 +180,13 @@ class StandInTESpecProvider(LocalSpecProvider):
         return StandInTELayerNormColumnParallelLinear
 
 
-def stand_in_te_layer_spec() -> ModuleSpec:
+def stand_in_te_layer_spec(*, te_attention: bool = False) -> ModuleSpec:
     """The dense layer of Megatron's TE spec (``get_gpt_layer_with_transformer_engine_spec``),
     shape for shape, built from :class:`StandInTESpecProvider`: the layer's own norms are
     ``IdentityOp`` (the fused norms follow ``config.normalization``, as TE's do), and the MLP
     is a ``functools.partial`` of ``MLP.as_mlp_submodule`` whose fc1 has the norm fused in.
+    With ``te_attention`` the core attention is :class:`StandInTEDotProductAttention` (as in
+    the TE spec), else Megatron's local ``DotProductAttention``.
     """
     backend = StandInTESpecProvider()
     attention = ModuleSpec(
@@ -155,7 +194,9 @@ def stand_in_te_layer_spec() -> ModuleSpec:
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=backend.column_parallel_layer_norm_linear(),
-            core_attention=backend.core_attention(),
+            core_attention=(
+                StandInTEDotProductAttention if te_attention else backend.core_attention()
+            ),
             linear_proj=backend.row_parallel_linear(),
             q_layernorm=IdentityOp,
             k_layernorm=IdentityOp,
@@ -175,3 +216,103 @@ def stand_in_te_layer_spec() -> ModuleSpec:
 
 def stand_in_linears(model: torch.nn.Module) -> list[_TEWrapperContract]:
     return [m for m in model.modules() if isinstance(m, _TEWrapperContract)]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """One call of the attention stand-in: the mask type TE got, and the shapes."""
+
+    attn_mask_type: str
+    sq: int
+    sk: int
+    mask_given: bool
+
+
+def te_attention_probs(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    attn_mask_type: str,
+    *,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """TE's attention probabilities ``[b, np, sq, sk]`` for ``query [sq, b, np, d]`` and
+    ``key [sk, b, ng, d]``, with TE's mask-type semantics (see the module docstring)."""
+    sq, sk = query.shape[0], key.shape[0]
+    if attn_mask_type in ("causal", "causal_bottom_right"):
+        shift = sk - sq if attn_mask_type == "causal_bottom_right" else 0
+        ones = torch.ones(sq, sk, dtype=torch.bool, device=query.device)
+        masked = torch.triu(ones, diagonal=1 + shift)  # True: key j > i + shift
+    elif attn_mask_type == "no_mask":
+        masked = None
+    elif attn_mask_type == "arbitrary":
+        masked = attention_mask
+    else:
+        raise NotImplementedError(f"the TE attention stand-in does not model {attn_mask_type!r}")
+    key = key.repeat_interleave(query.shape[2] // key.shape[2], dim=2)
+    scores = torch.einsum("qbhd,kbhd->bhqk", query.float(), key.float()) * softmax_scale
+    if masked is not None:
+        scores = scores.masked_fill(masked, float("-inf"))
+    return torch.softmax(scores, dim=-1).to(query.dtype)
+
+
+def attention_context(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``probs [b, np, sq, sk]`` applied to ``value [sk, b, ng, d]``: ``[sq, b, np*d]``."""
+    value = value.repeat_interleave(probs.shape[1] // value.shape[2], dim=2)
+    context = torch.einsum("bhqk,kbhd->qbhd", probs, value)
+    return context.reshape(context.shape[0], context.shape[1], -1)
+
+
+class StandInTEDotProductAttention(torch.nn.Module):
+    """``TEDotProductAttention``'s contract (see the module docstring) in plain torch."""
+
+    def __init__(
+        self,
+        *,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.te_forward_mask_type = True  # TE >= 0.12: the mask type is passed per call
+        self.qkv_format = "sbhd"
+        self.attn_mask_type = attn_mask_type.name  # TE's default when none is passed
+        self.softmax_scale = softmax_scale or config.kv_channels**-0.5
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.calls: list[AttentionCall] = []
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+        num_splits: int | None = None,
+    ) -> torch.Tensor:
+        """``[sq, b, np, d]`` queries against ``[sk, b, ng, d]`` keys -> ``[sq, b, np*d]``."""
+        if attention_bias is not None or packed_seq_params is not None:
+            raise NotImplementedError("the TE attention stand-in models neither bias nor packing")
+        mask_type = attn_mask_type.name if attn_mask_type is not None else self.attn_mask_type
+        self.calls.append(
+            AttentionCall(mask_type, query.shape[0], key.shape[0], attention_mask is not None)
+        )
+        probs = te_attention_probs(
+            query, key, attention_mask, mask_type, softmax_scale=self.softmax_scale
+        )
+        fork = contextlib.nullcontext() if self.config.sequence_parallel else None
+        with fork or get_cuda_rng_tracker().fork():
+            probs = F.dropout(probs, self.dropout, self.training)
+        return attention_context(probs, value)
+
+
+def stand_in_attentions(model: torch.nn.Module) -> list[StandInTEDotProductAttention]:
+    return [m for m in model.modules() if isinstance(m, StandInTEDotProductAttention)]

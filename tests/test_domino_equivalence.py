@@ -7,9 +7,12 @@ the reference, checks that no forward or backward collective is left pending, an
 reverted model reproduces the reference bit for bit.
 
 The comparison is :func:`megatron_domino.equivalence.compare_with_stock`, shared with the GPU
-check. Tolerances (:data:`megatron_domino.equivalence.TOLERANCES`): fp32 ``atol = 1e-6,
-rtol = 1e-5`` (only the order of floating-point sums changes; measured differences are below
-1e-7), bf16 ``atol = rtol = 2e-2`` (a few bf16 ulps). A schedule bug (a chunk's output added to
+check. fp32: element-wise against stock, ``atol = 1e-6, rtol = 1e-5`` (only the order of
+floating-point sums changes; measured differences are below 1e-7). bf16: stock and Domino are
+both measured against an fp32 reference with the same weights, and Domino's norm-relative
+error on the loss and on each gradient must stay within 1.5 x stock's own
+(:data:`megatron_domino.equivalence.BF16_BOUND`); a broken Domino gradient must fail that
+(:func:`test_a_broken_bf16_gradient_fails_the_check`). A schedule bug (a chunk's output added to
 the wrong residual, a missing piece) gives differences of the order of the values themselves.
 """
 
@@ -26,8 +29,10 @@ from megatron_domino.config import DominoConfig
 from megatron_domino.equivalence import (
     compare_with_stock,
     forward_backward,
+    fp32_reference_model,
     token_batch,
     tolerance_for,
+    worst_gradient_error,
 )
 from megatron_domino.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.integration import apply_domino
@@ -64,16 +69,18 @@ def _compare_settings(model_names: list[str], setting_names: list[str]) -> dict:
     for model_name in model_names:
         options = MODELS[model_name]
         configs = {name: DominoConfig(**SETTINGS[name]) for name in setting_names}
+        model = build_gpt_model(options)
         comparison = compare_with_stock(
-            build_gpt_model(options),
+            model,
             token_batch(options, MICRO_BATCH),
             configs,
             tolerance_for(options),
+            fp32_reference=fp32_reference_model(options, model) if options.bf16 else None,
         )
         assert comparison.reverted, f"{model_name}: revert did not restore stock behaviour"
         for setting, row in comparison.settings.items():
             assert row.passed, (model_name, setting, row.left_pending, row.mismatches[:3])
-            report[(model_name, setting)] = row
+            report[(model_name, setting)] = (row, comparison.stock_relative_errors)
     return report
 
 
@@ -81,15 +88,66 @@ def test_every_setting_matches_stock_megatron_at_tp2():
     reports = run_on_ranks(
         _compare_settings, 2, args=(sorted(MODELS), sorted(SETTINGS)), timeout_s=300
     )
-    for (model_name, setting), row in reports[0].items():
+    for (model_name, setting), (row, stock_errors) in reports[0].items():
         # Two linears with an input-gradient all-reduce per layer and chunk.
         chunks = SETTINGS[setting].get("chunks", 2)
         expected = 0 if setting == "p2-no-backward-overlap" else 2 * LAYERS * chunks
         assert row.dgrad_slots == expected, (model_name, setting)
+        if stock_errors:  # bf16: the norm-relative errors against fp32 were measured
+            assert set(row.relative_errors) == set(stock_errors) and len(stock_errors) > 10
+            name, error = worst_gradient_error(row.relative_errors)
+            print(
+                f"{model_name} {setting}: vs fp32, worst gradient Domino {error:.2e} ({name}), "
+                f"stock {worst_gradient_error(stock_errors)[1]:.2e}; loss Domino "
+                f"{row.relative_errors['loss']:.1e}, stock {stock_errors['loss']:.1e}"
+            )
     for model_name in MODELS:
-        rows = [row for (name, _), row in reports[0].items() if name == model_name]
+        rows = [row for (name, _), (row, _) in reports[0].items() if name == model_name]
         worst = max(rows, key=lambda row: row.max_error)
         print(f"{model_name}: worst |Domino - stock| {worst.max_error:.1e} ({worst.setting})")
+
+
+#: Broken on purpose, in Domino's run only: gradient -> how it is broken (factor).
+BROKEN = {
+    # Its elements are all below 2e-2: the old element-wise bf16 check (atol = rtol = 2e-2)
+    # passed this zeroed gradient.
+    "decoder.layers.0.input_layernorm.weight": 0.0,
+    "decoder.layers.1.mlp.linear_fc2.weight": 1.03,  # 3 % too large
+    "decoder.layers.0.self_attention.linear_qkv.weight": 0.5,  # as if one of two chunks dropped
+}
+
+
+def _broken_bf16_gradients() -> tuple[list[str], float]:
+    """Domino p = 2 on the bf16 model with the :data:`BROKEN` gradients scaled while Domino is
+    applied (a hook on the parameter); returns the tensors the check flags."""
+    options = MODELS["rmsnorm-swiglu-rope-gqa-nobias-bf16"]
+    model = build_gpt_model(options)
+    batch = token_batch(options, MICRO_BATCH)
+    reference = fp32_reference_model(options, model)
+    parameters = dict(model.named_parameters())
+
+    def broken(factor):
+        # Domino binds ``forward`` onto the block instance while it is applied.
+        return lambda grad: grad * factor if "forward" in vars(model.decoder) else grad
+
+    for name, factor in BROKEN.items():
+        parameters[name].register_hook(broken(factor))
+    comparison = compare_with_stock(
+        model,
+        batch,
+        {"p2": DominoConfig(chunks=2)},
+        tolerance_for(options),
+        fp32_reference=reference,
+    )
+    zeroed = next(name for name, factor in BROKEN.items() if factor == 0)
+    largest = float(forward_backward(model, batch).grads[zeroed].abs().max())
+    return comparison.settings["p2"].mismatches, largest
+
+
+def test_a_broken_bf16_gradient_fails_the_check():
+    flagged, largest_zeroed = run_on_ranks(_broken_bf16_gradients, 2)[0]
+    assert sorted(message.split(":")[0] for message in flagged) == sorted(BROKEN), flagged
+    assert largest_zeroed < 2e-2  # what the element-wise bf16 tolerance let through
 
 
 @pytest.mark.parametrize("tp", [4, 8])

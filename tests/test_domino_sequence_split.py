@@ -11,19 +11,37 @@ The recorder must show the same collectives as the batch split (``2 p k`` forwar
 and ``2 p`` backward ones per layer) and, with inter-layer overlap, every collective but each
 pass's last overlapping another chunk's work: chunk ``c``'s attention waits only for chunks
 ``0..c-1``'s keys, which the wavefront computed before.
+
+Under sequence parallelism (chunk-major layout, :mod:`megatron_domino.chunking`) the same
+comparison runs with the gradients of ``sequence_parallel`` parameters (norms, row-linear
+biases) summed over TP first: each rank's share of the tokens differs from stock's, only the
+sum ``finalize_model_grads`` forms is the same.
+
+With ``--masked-softmax-fusion`` (Megatron-LM's default) in bf16, Megatron's fused softmax
+runs CPU stand-ins of its CUDA kernels (``tests/fused_softmax_stand_in.py``), so it takes the
+path a GPU would take for each chunk's shapes: the test checks which kernel each chunk ran
+(never the square-only causal kernel for ``sq != sk``), with which mask rows, and that loss
+and gradients stay within the bf16 bound of stock's (fused causal kernel) own error.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import fused_softmax_stand_in
 import pytest
+import torch
+from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
 from multiproc import run_on_ranks
 from tiny_models import LLAMA_STYLE, TINY
 
-from megatron_domino.config import DominoConfig, DominoUnsupportedError
+from megatron_domino.config import DominoConfig
 from megatron_domino.equivalence import (
     compare_with_stock,
     forward_backward,
+    fp32_reference_model,
     max_abs_error,
+    mismatches,
     token_batch,
     tolerance_for,
 )
@@ -112,13 +130,136 @@ def test_a_missing_mask_means_causal():
     assert run_on_ranks(_without_a_mask, 2)[0] == 0.0
 
 
-def _refused_with_sequence_parallel() -> str:
-    options = GPTOptions(num_layers=LAYERS, **TINY, num_attention_heads=4, sequence_parallel=True)
-    with pytest.raises(DominoUnsupportedError) as error:
-        apply_domino(build_gpt_model(options), DominoConfig(chunks=2, split_along="sequence"))
-    return str(error.value)
+SP_SETTINGS = {"p2": dict(chunks=2), "p4": dict(chunks=4)}
 
 
-def test_sequence_parallelism_is_refused():
-    message = run_on_ranks(_refused_with_sequence_parallel, 2)[0]
-    assert "--domino-split sequence cannot run with --sequence-parallel" in message
+def _compare_under_sequence_parallelism() -> dict:
+    options = dataclasses.replace(MODELS["rmsnorm-swiglu-rope-gqa"], sequence_parallel=True)
+    model = build_gpt_model(options)
+    batch = token_batch(options, 1)
+    reference = forward_backward(model, batch, finalize_sequence_parallel=True)
+    found = {}
+    for setting, kwargs in SP_SETTINGS.items():
+        config = DominoConfig(split_along="sequence", **kwargs)
+        recorder = EventRecorder()
+        with apply_domino(model, config, recorder=recorder) as handle:
+            result = forward_backward(model, batch, finalize_sequence_parallel=True)
+            step = handle.runtime.last_step
+            pending = len(step.pending_forward) + len(step.pending_backward)
+        spans = collective_spans(recorder.events())
+        found[setting] = dict(
+            mismatches=mismatches(result, reference, tolerance_for(options)),
+            pending=pending,
+            counts=count_mismatches(spans, config, num_layers=LAYERS, sequence_parallel=True),
+            overlap=overlap_violations(spans, config, sequence_parallel=True)[:3],
+        )
+    found["revert"] = max_abs_error(
+        forward_backward(model, batch, finalize_sequence_parallel=True), reference
+    )
+    return found
+
+
+def test_matches_stock_under_sequence_parallelism():
+    """Micro-batch 1 with --sequence-parallel: loss and gradients as stock's, every collective
+    of the schedule counted and overlapped as under the batch split."""
+    found = run_on_ranks(_compare_under_sequence_parallelism, 2)[0]
+    assert found.pop("revert") == 0.0
+    for setting, result in found.items():
+        assert result == dict(mismatches=[], pending=0, counts=[], overlap=[]), setting
+
+
+#: bf16 with Megatron-LM's default fused softmax: 16 heads (8 per TP rank) and s = 64, so the
+#: fused kernels' shape conditions hold for the whole sequence and for most chunks.
+FUSED = GPTOptions(
+    num_layers=LAYERS, **{**LLAMA_STYLE, "seq_length": 64, "num_attention_heads": 16}, bf16=True
+)
+
+
+def _document_mask(s: int) -> torch.Tensor:
+    """A causal mask that also separates two documents of ``s/2`` tokens (as
+    ``--reset-attention-mask`` makes them): ``[1, 1, s, s]``, True where masked."""
+    mask = torch.ones(s, s, dtype=torch.bool).triu(diagonal=1)
+    mask[s // 2 :, : s // 2] = True
+    return mask.view(1, 1, s, s)
+
+
+def _softmax_calls(model, batch, config=None) -> list:
+    """The softmax calls of one forward (Domino's with ``config``), as recorded."""
+    fused_softmax_stand_in.CALLS.clear()
+    with torch.no_grad():
+        if config is None:
+            model(**batch)
+        else:
+            with apply_domino(model, config):
+                model(**batch)
+    return list(fused_softmax_stand_in.CALLS)
+
+
+def _bottom_right_causal(sq: int, sk: int) -> torch.Tensor:
+    return torch.ones(sq, sk, dtype=torch.bool).triu(diagonal=sk - sq + 1).view(1, 1, sq, sk)
+
+
+def _under_fused_softmax() -> dict:
+    options = FUSED
+    model = build_gpt_model(options)
+    softmaxes = [m for m in model.modules() if isinstance(m, FusedScaleMaskSoftmax)]
+    for softmax in softmaxes:  # built off on the CPU, where the kernels do not exist
+        softmax.scaled_masked_softmax_fusion = True
+    batch = token_batch(options, 1)
+    configs = {f"p{p}": DominoConfig(chunks=p, split_along="sequence") for p in (2, 4)}
+    found = {}
+    with fused_softmax_stand_in.installed():
+        comparison = compare_with_stock(
+            model,
+            batch,
+            configs,
+            tolerance_for(options),
+            fp32_reference=fp32_reference_model(options, model),
+        )
+        found["passed"] = {name: row.passed for name, row in comparison.settings.items()}
+        found["mismatches"] = [m for row in comparison.settings.values() for m in row.mismatches]
+        calls = {"stock": _softmax_calls(model, batch)}
+        calls |= {name: _softmax_calls(model, batch, config) for name, config in configs.items()}
+        found["kernels"] = {
+            name: [(c.kernel, c.sq, c.sk) for c in found_calls]
+            for name, found_calls in calls.items()
+        }
+        found["causal_rows"] = all(
+            torch.equal(c.mask, _bottom_right_causal(c.sq, c.sk)) for c in calls["p2"]
+        )
+        # The stock fused kernel ignores a document mask (causal only): so must the chunks.
+        documents = {**batch, "attention_mask": _document_mask(options.seq_length)}
+        fused = _softmax_calls(model, documents, configs["p2"])
+        found["documents_fused"] = [
+            torch.equal(c.mask, _bottom_right_causal(c.sq, c.sk)) for c in fused
+        ]
+        # Without the fusion stock's torch softmax applies it: so do the chunks, row for row.
+        for softmax in softmaxes:
+            softmax.scaled_masked_softmax_fusion = False
+        unfused = _softmax_calls(model, documents, configs["p2"])
+        rows = [
+            documents["attention_mask"][..., c * 32 : (c + 1) * 32, : (c + 1) * 32] for c in (0, 1)
+        ]
+        found["documents_unfused"] = [
+            (c.kernel, torch.equal(c.mask, rows[i % 2])) for i, c in enumerate(unfused)
+        ]
+    return found
+
+
+def test_fused_softmax_runs_the_masked_kernel_with_each_chunks_rows():
+    """bf16 with --masked-softmax-fusion: stock runs the fused causal kernel on [s, s]; each
+    chunk runs the fused masked kernel where its shapes allow it (else the torch softmax) with
+    its causal rows, never the square-only causal kernel on sq != sk (which asserts, and under
+    python -O would mask the wrong keys), and matches stock within the bf16 bound."""
+    found = run_on_ranks(_under_fused_softmax, 2)[0]
+    assert found["passed"] == {"p2": True, "p4": True}, found["mismatches"][:3]
+    per_layer = {
+        "stock": [("upper_triang", 64, 64)],
+        "p2": [("masked", 32, 32), ("masked", 32, 64)],
+        # chunk 0's 16 keys are too few for the kernel (it needs 16 < sk): the torch softmax.
+        "p4": [("torch", 16, 16), ("masked", 16, 32), ("masked", 16, 48), ("masked", 16, 64)],
+    }
+    assert found["kernels"] == {name: calls * LAYERS for name, calls in per_layer.items()}
+    assert found["causal_rows"]
+    assert found["documents_fused"] == [True] * 2 * LAYERS
+    assert found["documents_unfused"] == [("torch", True)] * 2 * LAYERS

@@ -25,8 +25,10 @@ Cases (tiny GPT: 2 layers, hidden 64, 4 heads, sequence 32):
   weights and selective recompute of the core attention (``--recompute-activations``);
   Domino ``--domino-chunks 4``.
 * ``tp2-ddp-accumulation-bf16``: the first case with ``--bf16``.
-* ``tp2-sequence-split-mb1``: TP = 2, micro-batch 1 (4 accumulation steps), the
-  RMSNorm/SwiGLU/RoPE/GQA model; Domino ``--domino-split sequence --domino-chunks 4``.
+* ``tp2-sp-sequence-split-mb1``: TP = 2, micro-batch 1 (4 accumulation steps),
+  ``--sequence-parallel`` (the local spec with SP-capable norms, ``megatron_domino.cpu_specs``),
+  the RMSNorm/SwiGLU/RoPE/GQA model; Domino ``--domino-split sequence --domino-chunks 4``
+  (chunk-major layout; the norms' gradients summed by Megatron's ``finalize_model_grads``).
 * ``tp2-pp2``: TP = 2 x PP = 2 (4 ranks, one layer per stage), Megatron-Core's 1F1B schedule
   over 3 micro-batches of 4, the RMSNorm/SwiGLU/RoPE/GQA model; Domino ``--domino-chunks 2``.
 
@@ -133,9 +135,13 @@ CASES = {
         flags=[*MODERN_MODEL, "--micro-batch-size", "4", "--global-batch-size", "8", "--bf16"],
         chunks=2, column_chunks=1, rtol=BF16_RTOL,
     ),
-    "tp2-sequence-split-mb1": Case(
+    "tp2-sp-sequence-split-mb1": Case(
         nproc=2,
-        flags=[*MODERN_MODEL, "--micro-batch-size", "1", "--global-batch-size", "4"],
+        flags=[
+            *MODERN_MODEL, "--micro-batch-size", "1", "--global-batch-size", "4",
+            "--sequence-parallel", "--spec", "megatron_domino.cpu_specs",
+            "sequence_parallel_local_spec",
+        ],
         chunks=4, column_chunks=1, rtol=FP32_RTOL, split_along="sequence",
     ),
     "tp2-pp2": Case(

@@ -20,14 +20,28 @@ BASE = [*TINY_GPT, "--lr", "1e-3", "--train-iters", "10", *DATA]
 TP2_DOMINO = "--domino --tensor-model-parallel-size 2".split()
 #: Transformer Engine layers (Megatron-LM's default) with Domino, at TP = 2.
 TE_DOMINO = [*TP2_DOMINO, "--transformer-impl", "transformer_engine"]
+SEQUENCE_SPLIT_MB1 = "--domino-split sequence --micro-batch-size 1".split()
 
 
-def checked(monkeypatch, *extra: str, world_size: int = 2, base: list[str] = BASE):
-    """Megatron's parse and validation of ``base + extra``, then the script's checks."""
+def checked(
+    monkeypatch,
+    *extra: str,
+    world_size: int = 2,
+    base: list[str] = BASE,
+    max_connections: str | None = "1",
+):
+    """Megatron's parse and validation of ``base + extra``, then the script's checks.
+
+    ``max_connections``: ``CUDA_DEVICE_MAX_CONNECTIONS`` (``None``: unset, as Megatron-FSDP
+    asserts).
+    """
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt_domino.py", *base, *extra])
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("RANK", "0")
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    if max_connections is None:
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", max_connections)
     # validate_args asks the GPU's architecture; answered as a Hopper, as the CPU runtime does.
     monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)
     args = megatron_arguments.parse_args(extra_args_provider=entry._extra_args)
@@ -82,9 +96,12 @@ def checked(monkeypatch, *extra: str, world_size: int = 2, base: list[str] = BAS
             "FP8 runs only in Transformer Engine layers",
         ),
         (
-            [*TP2_DOMINO, "--sequence-parallel", "--domino-split", "sequence"],
-            DominoUnsupportedError,
-            "--domino-split sequence cannot run with --sequence-parallel",
+            # s = 32 splits into 32 chunks, but not under SP into 32 pieces per TP rank.
+            [*TP2_DOMINO, "--sequence-parallel", "--domino-split", "sequence"]
+            + ["--domino-chunks", "32"],
+            DominoConfigError,
+            "--seq-length 32 is not divisible by --domino-chunks 32 x "
+            "--tensor-model-parallel-size 2",
         ),
         (
             [*TP2_DOMINO, "--cuda-graph-impl", "local"],
@@ -106,10 +123,41 @@ def test_refused_combinations_name_the_problem_and_the_fix(monkeypatch, extra, e
     assert expected in str(err.value)
 
 
+#: Fully sharded data parallelism gathers each layer's parameters in hooks on the layer
+#: module, which Domino never calls (``integration.fsdp_problems``).
+FSDP_REFUSED = "never calls (it runs the layer's submodules itself"
+
+
+@pytest.mark.parametrize(
+    "fsdp",
+    [
+        # Each as Megatron-LM's validation accepts it: FSDP2 with untied output weights,
+        # Megatron-FSDP with its checkpoint format, alone and with meta-device initialisation.
+        ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"],
+        ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor"],
+        ["--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor", "--init-model-with-meta-device"],
+    ],
+)
+def test_fully_sharded_data_parallelism_is_refused_at_argument_time(monkeypatch, fsdp):
+    # Both FSDPs assert CUDA_DEVICE_MAX_CONNECTIONS != 1 (Megatron's TP overlap wants 1).
+    assert checked(monkeypatch, *fsdp, max_connections=None)  # Megatron-LM without --domino
+    with pytest.raises(DominoUnsupportedError) as error:
+        checked(monkeypatch, *TP2_DOMINO, *fsdp, max_connections=None)
+    message = str(error.value)
+    assert f"{fsdp[0]}: fully sharded data parallelism gathers" in message
+    assert FSDP_REFUSED in message and "use Megatron's DDP" in message
+
+
 def test_supported_combinations_pass(monkeypatch):
     for extra in (
+        # Domino holds no tensors: meta-device parameters materialised after the pre-wrap
+        # hook are the ones it runs (tests/test_domino_fsdp_meta.py).
+        [*TP2_DOMINO, "--init-model-with-meta-device"],
         [*TP2_DOMINO, "--domino-chunks", "2", "--domino-column-chunks", "2"],
         [*TP2_DOMINO, "--domino-split", "sequence", "--micro-batch-size", "1"],
+        [*TP2_DOMINO, *SEQUENCE_SPLIT_MB1, "--sequence-parallel"],
+        # Megatron-LM's defaults for its largest models: TE layers, SP, micro-batch 1.
+        [*TE_DOMINO, *SEQUENCE_SPLIT_MB1, "--sequence-parallel"],
         [*TE_DOMINO, "--sequence-parallel", "--fp8-format", "hybrid"],
         [*TP2_DOMINO, "--recompute-activations", "--domino-report"],
     ):

@@ -8,7 +8,7 @@ first on a TE machine:
     pytest tests/test_transformer_engine_gpu.py -v
 
 Each case trains a small Llama-style model (RMSNorm, SwiGLU, RoPE, GQA) for 20 iterations at
-TP = 2, without and with ``--domino``, through ``python -m megatron_domino.loss_parity``
+TP = 2 (micro-batch 4, or 1 for the sequence split), without and with ``--domino``, through ``python -m megatron_domino.loss_parity``
 (same seed, data and initial weights), and bounds the largest loss difference. Dropout is 0.
 
 Tolerances (absolute, on losses around 5-10): Domino runs the same GEMMs on fewer rows, so only
@@ -43,6 +43,19 @@ MODEL = (
 CASES = {
     "bf16-sp": (["--sequence-parallel"], "--domino-chunks 2", 1e-2),
     "bf16-no-sp": ([], "--domino-chunks 2 --no-domino-backward-overlap", 1e-2),
+    # Megatron-LM's defaults for its largest models: micro-batch 1, TE layers and SP. Checks
+    # TE's own attention backends on later chunks' causal_bottom_right (sq < sk) calls.
+    "bf16-sp-seq-mb1": (
+        ["--sequence-parallel", "--micro-batch-size", "1"],
+        "--domino-split sequence --domino-chunks 2",
+        1e-2,
+    ),
+    "fp8-hybrid-sp-seq-mb1": (
+        ["--sequence-parallel", "--micro-batch-size", "1", "--fp8-format", "hybrid"]
+        + ["--fp8-amax-history-len", "16"],
+        "--domino-split sequence --domino-chunks 2",
+        2e-2,
+    ),
     "fp8-hybrid-sp": (
         ["--sequence-parallel", "--fp8-format", "hybrid", "--fp8-amax-history-len", "16"],
         "--domino-chunks 4",

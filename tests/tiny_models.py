@@ -5,6 +5,12 @@ runs of the same arithmetic compare to rounding).
   GeLU, learned positions, biases) the GPT-3 flavour.
 * :data:`LLAMA_STYLE`: :data:`TINY` with RMSNorm, SwiGLU (FFN 96), rotary positions and
   grouped-query attention (8 heads, 4 key/value groups).
+* :data:`PRODUCTION_DEFAULTS`: :data:`LLAMA_STYLE` with Megatron-LM's defaults turned back on
+  as far as the CPU runs them (``tests/test_production_defaults.py``): bf16, sequence
+  parallelism, the bias-activation and bias-dropout-add fusions, the masked-softmax flag (at
+  16 tokens Megatron takes torch's softmax on any device) and gradient-accumulation fusion
+  (the fused weight-gradient GEMM is a CPU stand-in, ``tests/fused_wgrad_stand_in.py``, and
+  the model must be wrapped in Megatron DDP). Dropout stays off, as in every shape here.
 """
 
 TINY = dict(
@@ -18,4 +24,13 @@ LLAMA_STYLE = dict(
     normalization="RMSNorm",
     swiglu=True,
     position_embedding_type="rope",
+)
+PRODUCTION_DEFAULTS = dict(
+    LLAMA_STYLE,
+    bf16=True,
+    sequence_parallel=True,
+    bias_activation_fusion=True,
+    bias_dropout_fusion=True,
+    masked_softmax_fusion=True,
+    gradient_accumulation_fusion=True,
 )

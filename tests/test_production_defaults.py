@@ -1,0 +1,308 @@
+"""Domino on Megatron-LM's production defaults, as far as a CPU runs them.
+
+Megatron-LM trains with fused kernels, bf16, sequence parallelism, Transformer Engine layers
+and, in large runs, the distributed optimizer; the other multi-rank tests turn most of that
+off. Here :data:`tiny_models.PRODUCTION_DEFAULTS` turns it back on: bf16, ``--sequence-parallel``,
+the bias-activation and bias-dropout-add fusions, the masked-softmax flag (at 16 tokens Megatron
+takes torch's softmax on any device), gradient-accumulation fusion into fp32 ``main_grad``
+(Megatron DDP with ``grad_reduce_in_fp32``, as Megatron-LM sets for bf16; the fused kernel is
+the CPU stand-in :mod:`fused_wgrad_stand_in`), the TE layer spec (stand-ins,
+:mod:`te_stand_in`) and the distributed optimizer (Adam, clipping on). Dropout stays off so
+stock and Domino draw nothing and differ only by rounding.
+
+* One micro-batch: stock's and Domino's gradients (``main_grad`` after Megatron's
+  ``finalize_model_grads``) against an fp32 reference with the same weights, within
+  :data:`megatron_domino.equivalence.BF16_BOUND` of stock's own error, tensor by tensor.
+* Three optimizer steps of each from the same weights and batches: losses and gradient norms.
+* Which weight-gradient path ran: with gradient-accumulation fusion, every linear's weight
+  gradient went through Megatron's fused weight-gradient GEMM with bf16 operands, the column
+  linears' once per chunk under Domino (:func:`test_domino_column_linears_use_megatrons_fused_wgrad`
+  checks Domino's own column-linear backward without sequence parallelism, local spec).
+
+Tolerances: bf16 bound as above; training ``rtol`` loss 5e-3, grad norm 2e-2 (as the bf16 case
+of ``test_domino_training.py``: every reordered bf16 sum rounds, 2**-8 = 4e-3 relative).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from fused_wgrad_stand_in import installed
+from multiproc import run_on_ranks
+from te_stand_in import stand_in_te_layer_spec
+from tiny_models import PRODUCTION_DEFAULTS, TINY
+
+from megatron_domino.backward_overlap import accumulate_weight_gradient, placeholder_gradient
+from megatron_domino.config import DominoConfig
+from megatron_domino.equivalence import (
+    BF16_BOUND,
+    StepResult,
+    bound_violations,
+    relative_errors,
+    token_batch,
+    worst_gradient_error,
+)
+from megatron_domino.gpt_model import (
+    GPTOptions,
+    GPTOptionsError,
+    build_gpt_model,
+    transformer_config,
+)
+from megatron_domino.integration import apply_domino
+
+MICRO_BATCH = 4
+CHUNKS = 2
+STEPS = 3
+TRAIN_RTOL = {"loss": 5e-3, "grad_norm": 2e-2}
+OPTIONS = GPTOptions(num_layers=2, **PRODUCTION_DEFAULTS)
+
+
+# --- the fused weight-gradient call and its placeholder, without a process group -----------
+
+
+def test_accumulate_weight_gradient_calls_megatrons_kernel_for_the_main_grad_dtype():
+    """bf16 operands into an fp32 main_grad: ``wgrad_gemm_accum_fp32``; into a bf16 one:
+    ``wgrad_gemm_accum_fp16``; the sum is dY^T X. Without the kernels it refuses."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(12, 8, generator=generator).bfloat16()
+    dy = torch.randn(12, 6, generator=generator).bfloat16()
+    expected = dy.t().float() @ x.float()
+    with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
+        accumulate_weight_gradient(torch.zeros(6, 8), x, dy)
+    with installed() as calls:
+        main_grad = torch.ones(6, 8)
+        accumulate_weight_gradient(main_grad, x, dy)
+        torch.testing.assert_close(main_grad, expected + 1, rtol=1e-6, atol=1e-5)
+        accumulate_weight_gradient(torch.zeros(6, 8, dtype=torch.bfloat16), x, dy)
+        with pytest.raises(RuntimeError, match="Unsupported gradient type"):
+            accumulate_weight_gradient(torch.zeros(6, 8, dtype=torch.float64), x, dy)
+    assert [(c.kernel, c.input_dtype, c.main_grad_dtype) for c in calls] == [
+        ("fp32", torch.bfloat16, torch.float32),
+        ("fp16", torch.bfloat16, torch.bfloat16),
+    ]
+
+
+def test_placeholder_gradient_is_one_reused_buffer():
+    """Megatron-Core's linear returns a placeholder weight gradient once dW is in main_grad;
+    Domino reuses one per shape and dtype instead of allocating one per call."""
+    first = placeholder_gradient((6, 8), torch.bfloat16, torch.device("cpu"), zero=False)
+    second = placeholder_gradient((6, 8), torch.bfloat16, torch.device("cpu"), zero=True)
+    assert first.data_ptr() == second.data_ptr() and not second.any()
+    assert second.shape == (6, 8) and second.dtype == torch.bfloat16
+
+
+def test_fusion_options_reach_the_transformer_config():
+    """The production options turn Megatron-LM's fusions on, also on the CPU; the masked
+    softmax is refused where Megatron would need its missing CUDA kernel."""
+    config = transformer_config(OPTIONS, tensor_model_parallel_size=2)
+    assert config.gradient_accumulation_fusion and config.bias_activation_fusion
+    assert config.bias_dropout_fusion and config.masked_softmax_fusion
+    assert config.bf16 and config.sequence_parallel
+    default = transformer_config(
+        GPTOptions(num_layers=1, num_attention_heads=4, **TINY), tensor_model_parallel_size=2
+    )
+    assert not (default.gradient_accumulation_fusion or default.bias_dropout_fusion)
+    with pytest.raises(GPTOptionsError, match="scaled_masked_softmax_cuda"):
+        transformer_config(
+            dataclasses.replace(OPTIONS, seq_length=32), tensor_model_parallel_size=2
+        )
+
+
+# --- Domino's own column-linear backward (no sequence parallelism) -------------------------
+
+
+def _named_main_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name.removeprefix("module.").removeprefix("module."): param.main_grad.detach().clone()
+        for name, param in model.named_parameters()
+    }
+
+
+def _wrap_ddp(model: torch.nn.Module, *, distributed_optimizer: bool):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    return DistributedDataParallel(
+        config=model.config,
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=distributed_optimizer
+        ),
+        module=Float16Module(model.config, model),
+    )
+
+
+def _fp32_reference(options: GPTOptions, model: torch.nn.Module, spec) -> StepResult:
+    """Loss and gradients of ``model``'s weights in an fp32 model without fusions (the
+    ``sequence_parallel`` parameters' gradients summed over TP, as finalize_model_grads does)."""
+    reference = build_gpt_model(
+        dataclasses.replace(options, bf16=False, gradient_accumulation_fusion=False), spec=spec
+    )
+    reference.load_state_dict(
+        {
+            name: value.float() if torch.is_tensor(value) and value.is_floating_point() else value
+            for name, value in model.state_dict().items()
+        }
+    )
+    loss = reference(**token_batch(options, MICRO_BATCH))
+    loss.mean().backward()
+    grads = {}
+    for name, param in reference.named_parameters():
+        grads[name] = param.grad.detach().clone()
+        if getattr(param, "sequence_parallel", False):
+            from megatron.core import parallel_state
+
+            dist.all_reduce(grads[name], group=parallel_state.get_tensor_model_parallel_group())
+    return StepResult(loss.detach(), grads)
+
+
+def _micro_batch(ddp, options: GPTOptions) -> StepResult:
+    """One forward and backward of ``ddp`` as Megatron-LM's loop runs it; gradients from
+    ``main_grad`` after ``finalize_model_grads``."""
+    from megatron.core.distributed import finalize_model_grads
+
+    ddp.zero_grad_buffer()
+    loss = ddp(**token_batch(options, MICRO_BATCH))
+    loss.mean().backward()
+    finalize_model_grads([ddp])
+    return StepResult(loss.detach(), _named_main_grads(ddp))
+
+
+def _column_wgrad_calls(options: GPTOptions) -> dict:
+    """Local spec, no SP: stock and Domino main_grads and the fused calls per column weight."""
+    with installed() as calls:
+        model = build_gpt_model(options)
+        ddp = _wrap_ddp(model, distributed_optimizer=False)
+        reference = _fp32_reference(options, model, None)
+        owners = {p.main_grad.data_ptr(): name for name, p in model.named_parameters()}
+        columns = [
+            n for n in owners.values() if n.endswith(("linear_qkv.weight", "linear_fc1.weight"))
+        ]
+        found = {}
+        for arm in ("stock", "domino"):
+            calls.clear()
+            if arm == "domino":
+                with apply_domino(ddp, DominoConfig(chunks=CHUNKS)):
+                    result = _micro_batch(ddp, options)
+            else:
+                result = _micro_batch(ddp, options)
+            found[arm] = dict(
+                errors=relative_errors(result, reference),
+                calls={
+                    name: [(c.kernel, c.input_dtype, c.grad_dtype, c.main_grad_dtype, c.tokens)
+                           for c in calls if owners.get(c.main_grad_ptr) == name]
+                    for name in columns
+                },
+            )  # fmt: skip
+    return found
+
+
+def test_domino_column_linears_use_megatrons_fused_wgrad():
+    """Without SP, Domino's column linears (QKV, fc1) compute dW in their own backward: with
+    gradient-accumulation fusion that is Megatron's fused GEMM with bf16 operands into the
+    fp32 main_grad, once per chunk (stock: once per micro-batch), with gradients as close
+    to fp32 as stock's."""
+    options = dataclasses.replace(OPTIONS, sequence_parallel=False)
+    found = run_on_ranks(_column_wgrad_calls, 2, args=(options,), timeout_s=300)[0]
+    tokens = options.seq_length * MICRO_BATCH
+    bf16, fp32 = torch.bfloat16, torch.float32
+    for name, calls in found["stock"]["calls"].items():
+        assert calls == [("fp32", bf16, bf16, fp32, tokens)], (name, calls)
+    for name, calls in found["domino"]["calls"].items():
+        assert calls == [("fp32", bf16, bf16, fp32, tokens // CHUNKS)] * CHUNKS, (name, calls)
+    assert len(found["domino"]["calls"]) == 2 * OPTIONS.num_layers
+    for arm in ("stock", "domino"):
+        name, error = worst_gradient_error(found[arm]["errors"])
+        print(f"{arm} vs fp32: worst gradient {error:.2e} ({name})")
+    wrong = bound_violations(found["domino"]["errors"], found["stock"]["errors"], BF16_BOUND)
+    assert not wrong, wrong[:3]
+
+
+# --- the production defaults: TE stand-ins, SP, fusions, distributed optimizer --------------
+
+
+def _train(ddp, options: GPTOptions) -> list[dict]:
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=3e-3,
+            weight_decay=0.01,
+            clip_grad=1.0,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            use_distributed_optimizer=True,
+        ),
+        [ddp],
+    )
+    records = []
+    for step in range(STEPS):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = ddp(**token_batch(options, MICRO_BATCH, seed=100 + step)).mean()
+        loss.backward()
+        finalize_model_grads([ddp])
+        updated, grad_norm, _ = optimizer.step()
+        assert updated
+        records.append(dict(loss=loss.item(), grad_norm=grad_norm))
+    return records
+
+
+def _production_defaults() -> dict:
+    spec = stand_in_te_layer_spec()
+    with installed() as calls:
+        models = [build_gpt_model(OPTIONS, spec=spec) for _ in range(2)]
+        models[1].load_state_dict(models[0].state_dict())
+        reference = _fp32_reference(OPTIONS, models[0], spec)
+        stock, domino = (_wrap_ddp(m, distributed_optimizer=True) for m in models)
+        handle = apply_domino(domino, DominoConfig(chunks=CHUNKS))
+        stock_grads = _micro_batch(stock, OPTIONS)
+        calls.clear()
+        domino_grads = _micro_batch(domino, OPTIONS)
+        step = handle.runtime.last_step
+        found = dict(
+            stock_errors=relative_errors(stock_grads, reference),
+            domino_errors=relative_errors(domino_grads, reference),
+            left_pending=len(step.pending_forward) + len(step.pending_backward),
+            domino_calls={(c.kernel, c.input_dtype, c.grad_dtype, c.main_grad_dtype) for c in calls},
+            domino_call_count=len(calls),
+            stock_training=_train(stock, OPTIONS),
+            domino_training=_train(domino, OPTIONS),
+        )  # fmt: skip
+    handle.revert()
+    return found
+
+
+@pytest.fixture(scope="module")
+def production() -> dict:
+    return run_on_ranks(_production_defaults, 2, timeout_s=400)[0]
+
+
+def test_gradients_match_stock_under_production_defaults(production):
+    """One micro-batch: Domino's gradients (after finalize_model_grads) are as close to fp32
+    as stock's, tensor by tensor; nothing left in flight; every weight gradient went through
+    the fused GEMM with bf16 operands into fp32 main_grad."""
+    assert production["left_pending"] == 0
+    for arm in ("stock", "domino"):
+        name, error = worst_gradient_error(production[f"{arm}_errors"])
+        print(f"{arm} vs fp32: worst gradient {error:.2e} ({name})")
+    wrong = bound_violations(production["domino_errors"], production["stock_errors"], BF16_BOUND)
+    assert not wrong, wrong[:3]
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert production["domino_calls"] == {("fp32", bf16, bf16, fp32)}
+    # Per layer and chunk: QKV, proj, fc1, fc2; plus the output layer (embedding) once.
+    assert production["domino_call_count"] == OPTIONS.num_layers * 4 * CHUNKS + 1
+
+
+def test_distributed_optimizer_steps_match_stock(production):
+    """Three Adam steps (distributed optimizer, clipping) from the same weights and batches."""
+    stock, domino = production["stock_training"], production["domino_training"]
+    print(f"stock {stock}\ndomino {domino}")
+    for key, rtol in TRAIN_RTOL.items():
+        for step, (a, b) in enumerate(zip(stock, domino, strict=True)):
+            assert abs(b[key] - a[key]) <= rtol * abs(a[key]), (key, step, stock, domino)
+    assert stock[-1]["loss"] < stock[0]["loss"]
