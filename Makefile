@@ -25,11 +25,11 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	$(PY) -m megatron_domino.demo
+	$(VENV)/bin/megatron-domino-demo
 
 # make bench QUICK=1: one shape, two settings, under 5 minutes.
 bench: $(STAMP)
-	$(PY) -m megatron_domino.bench $(if $(QUICK),--quick) $(BENCH_ARGS)
+	$(VENV)/bin/megatron-domino-bench $(if $(QUICK),--quick) $(BENCH_ARGS)
 
 # One GPU, no Transformer Engine, under 10 minutes (see docs/gpu_check.md).
 gpu-check: $(STAMP)

@@ -1,6 +1,6 @@
 #!/bin/bash
 # A/B comparison: the same training run twice, back to back, without and with --domino (all
-# other settings identical, same seed and data), then examples/ab_report.py reads both JSON logs
+# other settings identical, same seed and data), then megatron_domino.tools.ab_report reads both JSON logs
 # (and Megatron-LM's TFLOP/s/GPU from each run's train.log) and writes AB_DIR/table.md,
 # AB_DIR/ab.json and AB_DIR/ab.png.
 #
@@ -56,7 +56,9 @@ done
 domino_setting="p=$DOMINO_CHUNKS k=$DOMINO_COLUMN_CHUNKS"
 ((DOMINO_INTER_LAYER)) || domino_setting+=" intra-layer"
 ((DOMINO_BACKWARD_OVERLAP)) || domino_setting+=" no-backward-overlap"
-REPORT_CMD=("$PYTHON" "$RECIPE_EXAMPLES_DIR/ab_report.py"
+# The report is megatron-domino's A/B report command, run from this checkout like the script.
+REPORT_CMD=(env "PYTHONPATH=$RECIPE_REPO_DIR${PYTHONPATH:+:$PYTHONPATH}"
+    "$PYTHON" -m megatron_domino.tools.ab_report
     --baseline "$AB_DIR/baseline/log.jsonl" --domino "$AB_DIR/domino/log.jsonl"
     --out-dir "$AB_DIR" --gpus "$WORLD_SIZE" ${WARMUP_ITERS:+--warmup "$WARMUP_ITERS"}
     --tokens-per-iteration "$((GLOBAL_BATCH_SIZE * MODEL_CFG[SEQ_LENGTH]))"

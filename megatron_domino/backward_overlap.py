@@ -7,83 +7,23 @@ launches the all-reduce, computes ``dW``, and returns ``dX`` still in flight; an
 on the linear's input (the norm output) waits for it in its backward. Between the two, the
 autograd engine runs other chunks' backward work, because the schedule created that work
 between the identity and the linear in forward (the engine runs ready nodes latest-created
-first). The pair shares a :class:`DgradReduceSlot`.
+first). The pair shares a :class:`~megatron_domino.collectives.DgradAllReduce`.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from megatron.core.tensor_parallel import layers as megatron_layers
 from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
-from megatron_domino.recorder import LAUNCH, WAIT_BEGIN, WAIT_END, CollectiveLabel
-
-
-class DgradReduceSlot:
-    """The input-gradient all-reduce of one column-parallel linear call for one chunk.
-
-    Created in forward by the schedule, filled by the linear's backward (:meth:`launch`),
-    emptied by the identity's backward (:meth:`wait`). ``pending`` is True only in between.
-    """
-
-    def __init__(self, group: dist.ProcessGroup, label: CollectiveLabel) -> None:
-        self.group = group
-        self.label = label
-        self._work = None
-        self._buffer: torch.Tensor | None = None
-        self._collective: int | None = None
-
-    @property
-    def pending(self) -> bool:
-        return self._work is not None
-
-    def launch(self, grad_input: torch.Tensor) -> None:
-        """Start the in-place all-reduce of ``grad_input`` (``[s, b/p, h]``)."""
-        if self._work is not None:
-            raise RuntimeError(
-                f"{self.label.name} of layer {self.label.layer} chunk "
-                f"{self.label.chunk} launched twice without a wait."
-            )
-        label = self.label
-        self._collective = label.recorder.new_collective_id()
-        self._buffer = grad_input
-        self._work = dist.all_reduce(grad_input, group=self.group, async_op=True)
-        label.recorder.record(
-            LAUNCH, label.name, label.layer, label.chunk, "bwd", collective=self._collective
-        )
-
-    def wait(self, grad: torch.Tensor) -> torch.Tensor:
-        """Wait for the all-reduce and return the reduced gradient.
-
-        ``grad`` must be the very tensor that was launched: if autograd had summed it with
-        another consumer's gradient first, that sum would have read an unreduced buffer.
-        """
-        if self._work is None:
-            return grad
-        if grad is not self._buffer and grad.data_ptr() != self._buffer.data_ptr():
-            raise RuntimeError(
-                "Domino backward overlap needs the column-parallel linear to be the only "
-                "consumer of its input; another op consumed it, so its gradient was summed "
-                "with an in-flight all-reduce buffer. Disable with --no-domino-backward-overlap."
-            )
-        label = self.label
-        label.recorder.record(
-            WAIT_BEGIN, label.name, label.layer, label.chunk, "bwd", collective=self._collective
-        )
-        self._work.wait()
-        label.recorder.record(
-            WAIT_END, label.name, label.layer, label.chunk, "bwd", collective=self._collective
-        )
-        reduced, self._work, self._buffer = self._buffer, None, None
-        return reduced
+from megatron_domino.collectives import DgradAllReduce
 
 
 class _WaitForDgradReduce(torch.autograd.Function):
     """Forward: identity on the linear's input; backward: wait for the slot's all-reduce."""
 
     @staticmethod
-    def forward(ctx, linear_input: torch.Tensor, slot: DgradReduceSlot):
+    def forward(ctx, linear_input: torch.Tensor, slot: DgradAllReduce):
         ctx.slot = slot
         return linear_input
 
@@ -92,7 +32,7 @@ class _WaitForDgradReduce(torch.autograd.Function):
         return ctx.slot.wait(grad_output), None
 
 
-def wait_for_dgrad_reduce(linear_input: torch.Tensor, slot: DgradReduceSlot) -> torch.Tensor:
+def wait_for_dgrad_reduce(linear_input: torch.Tensor, slot: DgradAllReduce) -> torch.Tensor:
     """Place the backward wait of ``slot`` on ``linear_input`` (``[s, b/p, h]``)."""
     return _WaitForDgradReduce.apply(linear_input, slot)
 
@@ -110,7 +50,7 @@ class _ColumnLinearAsyncDgrad(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, linear_input, weight, bias, slot: DgradReduceSlot, accumulate_in_main_grad: bool
+        ctx, linear_input, weight, bias, slot: DgradAllReduce, accumulate_in_main_grad: bool
     ):
         ctx.save_for_backward(linear_input, weight)
         ctx.slot = slot
@@ -221,7 +161,7 @@ def placeholder_gradient(
 
 
 def column_linear_async_dgrad(
-    linear_input, weight, bias, slot: DgradReduceSlot, accumulate_in_main_grad: bool
+    linear_input, weight, bias, slot: DgradAllReduce, accumulate_in_main_grad: bool
 ) -> torch.Tensor:
     """Apply the column-parallel GEMM whose backward launches ``slot``'s all-reduce."""
     return _ColumnLinearAsyncDgrad.apply(linear_input, weight, bias, slot, accumulate_in_main_grad)

@@ -1,6 +1,6 @@
 """Domino's ``TransformerBlock.forward``: split into chunks, run the schedule, join, final norm.
 
-It replaces the stock forward of one block instance (see :mod:`megatron_domino.integration`)
+It replaces the stock forward of one block instance (see :mod:`megatron_domino.apply`)
 and keeps its contract: hidden states ``[s, b, h]`` in, ``[s, b, h]`` out after the final
 norm, called with keyword arguments by ``GPTModel``. What the stock forward does around the
 layer loop (viewless tensors, the final norm, the FP8 context, full activation recompute by

@@ -41,23 +41,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 
-from megatron_domino.state import DominoRuntime
+if TYPE_CHECKING:
+    from megatron_domino.state import DominoRuntime
 
-__all__ = ["core_attention_forward", "is_te_core_attention"]
-
-
-def is_te_core_attention(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is Transformer Engine's attention as Megatron-Core wraps it.
-
-    Recognised by interface (``TEDotProductAttention`` only exists where TE imports): the
-    wrapper's ``te_forward_mask_type`` (whether it passes the mask type to TE per call) and
-    ``qkv_format``.
-    """
-    return hasattr(module, "te_forward_mask_type") and hasattr(module, "qkv_format")
+__all__ = ["core_attention_forward", "local_attend", "te_attend"]
 
 
 def core_attention_forward(
@@ -71,10 +63,12 @@ def core_attention_forward(
     packed_seq_params=None,
     *,
     runtime: DominoRuntime,
+    attend,
 ):
     """Attention of one chunk's queries ``[s/p, b, n/tp, d]`` to the keys of chunks ``0..c``.
 
-    Outside a Domino op, the stock forward runs unchanged.
+    Outside a Domino op, the stock forward runs unchanged. ``attend`` is :func:`local_attend`
+    or :func:`te_attend` (bound by :mod:`megatron_domino.plan`).
 
     Returns:
         The context ``[s/p, b, n*d/tp]``, as the stock forward returns it.
@@ -96,18 +90,30 @@ def core_attention_forward(
     if chunk.index:
         key = torch.cat([k for k, _ in earlier], dim=0)
         value = torch.cat([v for _, v in earlier], dim=0)
-    if is_te_core_attention(module):
-        if chunk.index:
-            attn_mask_type, attention_mask = AttnMaskType.causal_bottom_right, None
-        return type(module).forward(
-            module, query, key, value, attention_mask, attn_mask_type, attention_bias,
-            packed_seq_params,
-        )  # fmt: skip
-    mask = _chunk_mask(module, query, key, attention_mask, runtime.config.chunks)
+    return attend(
+        module, chunk.index, runtime.config.chunks, query, key, value, attention_mask,
+        attn_mask_type, attention_bias, packed_seq_params,
+    )  # fmt: skip
+
+
+def local_attend(
+    module, index, chunks, query, key, value, mask, mask_type, bias, packed_seq_params
+):
+    """Megatron-Core's ``DotProductAttention`` on chunk ``index``'s queries and keys: an
+    explicit-mask softmax with the chunk's mask rows (:func:`_chunk_mask`)."""
+    mask = _chunk_mask(module, query, key, mask, chunks)
     with _explicit_mask_softmax(module.scale_mask_softmax):
         return type(module).forward(
-            module, query, key, value, mask, attn_mask_type, attention_bias, packed_seq_params
+            module, query, key, value, mask, mask_type, bias, packed_seq_params
         )
+
+
+def te_attend(module, index, chunks, query, key, value, mask, mask_type, bias, packed_seq_params):
+    """Transformer Engine's attention on chunk ``index``'s queries and keys: chunks after the
+    first get ``causal_bottom_right`` and no mask tensor."""
+    if index:
+        mask_type, mask = AttnMaskType.causal_bottom_right, None
+    return type(module).forward(module, query, key, value, mask, mask_type, bias, packed_seq_params)
 
 
 def _chunk_mask(

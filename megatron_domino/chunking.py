@@ -8,7 +8,7 @@ Two splits (``DominoConfig.split_along``):
 * **sequence**: ``[s, b, h]`` into ``p`` token ranges ``[s/p, b, h]``. Everything but
   attention works per token; under a causal mask, chunk ``c`` attends to the keys of chunks
   ``0..c`` only, which the wavefront schedule has computed before it (chunk ``c`` runs ``c``
-  ops behind chunk 0; :mod:`megatron_domino.sequence_split` supplies them). So chunk ``c``
+  ops behind chunk 0; :mod:`megatron_domino.chunk_attention` supplies them). So chunk ``c``
   gets mask rows ``[c*s/p, (c+1)*s/p)`` against key columns ``[0, (c+1)*s/p)`` (of the
   causal mask, built here when the caller passes none) and its own rows of the rotary
   embedding ``[s, 1, 1, d]``. This split works at micro-batch 1, where
@@ -34,7 +34,6 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from megatron_domino.config import DominoConfig, DominoConfigError
-from megatron_domino.gpt_model import causal_attention_mask
 from megatron_domino.state import ChunkState
 
 #: The dimension of ``[s, b, h]`` each split cuts.
@@ -58,16 +57,17 @@ def make_chunks(
             ``t``: ``hidden_states`` is then this rank's ``[s/t, b, h]`` in the chunk-major
             layout of :func:`to_chunk_major`, while masks and rotary rows cover all ``s``.
     Raises:
-        DominoConfigError: the split dimension is not divisible by ``p``.
+        DominoConfigError: the split dimension is not divisible by ``p``
+            (:meth:`~megatron_domino.config.DominoConfig.shape_problems`).
     """
     p, dim = config.chunks, SPLIT_DIMS[config.split_along]
     size = hidden_states.shape[dim]
-    if size % p:
-        shards = sequence_shards if config.split_along == "sequence" else 1
-        raise DominoConfigError(_indivisible(config, size * shards, shards))
     slicer = _batch_slice if config.split_along == "batch" else _sequence_slice
-    if config.split_along == "sequence":
+    if config.split_along == "batch":
+        config.check_shapes(micro_batch_size=size)
+    else:
         size *= sequence_shards  # the whole sequence, which masks and rotary rows cover
+        config.check_shapes(seq_length=size, sequence_parallel_size=sequence_shards)
         if attention_inputs.get("attention_mask") is None:
             # Megatron's default causal mask is square; chunk c's queries need rows of it.
             mask = causal_attention_mask(size, hidden_states.device)
@@ -99,7 +99,7 @@ def to_chunk_major(
     rank's gradient each token has into its owner's shard), then this rank's pieces.
     """
     t, r, p = group.size(), group.rank(), config.chunks
-    _check_shardable(hidden.shape[0] * t, config, t)
+    config.check_shapes(seq_length=hidden.shape[0] * t, sequence_parallel_size=t)
     pieces = _gather(hidden, group).chunk(p * t, dim=0)  # piece c*t + r' is chunk c, rank r'
     return torch.cat([pieces[c * t + r] for c in range(p)], dim=0)
 
@@ -118,30 +118,6 @@ def _gather(hidden: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """``[s/t, b, h]`` -> ``[s, b, h]`` in rank order; backward: reduce-scatter."""
     return gather_from_sequence_parallel_region(
         hidden, tensor_parallel_output_grad=True, group=group
-    )
-
-
-def _check_shardable(seq_length: int, config: DominoConfig, shards: int) -> None:
-    if seq_length % (config.chunks * shards):
-        raise DominoConfigError(_indivisible(config, seq_length, shards))
-
-
-def _indivisible(config: DominoConfig, size: int, shards: int) -> str:
-    p = config.chunks
-    if config.split_along == "batch":
-        return (
-            f"Micro-batch size {size} is not divisible by --domino-chunks {p} (--domino-split "
-            "batch); use a chunk count that divides it."
-        )
-    if shards > 1:
-        return (
-            f"Sequence length {size} is not divisible by --domino-chunks {p} x "
-            f"--tensor-model-parallel-size {shards}: under --sequence-parallel each rank "
-            "holds an equal piece of every chunk. Use a chunk count p with s divisible by p x TP."
-        )
-    return (
-        f"Sequence length {size} is not divisible by --domino-chunks {p} (--domino-split "
-        "sequence); use a chunk count that divides it."
     )
 
 
@@ -170,3 +146,14 @@ def _sequence_slice(name: str, tensor, c: int, p: int, seq_length: int):
         f"--domino-split sequence cannot slice the block argument {name}; use --domino-split "
         "batch for this model."
     )
+
+
+def causal_attention_mask(seq_length: int, device: torch.device | str) -> torch.Tensor:
+    """Megatron's boolean causal mask ``[1, 1, s, s]``: True where attention is masked out.
+
+    Query position i may attend key positions j <= i, so True is strictly above the diagonal.
+    It broadcasts over batch and heads. Passing it keeps Megatron from building its default
+    mask, which it creates on CUDA.
+    """
+    ones = torch.ones(seq_length, seq_length, dtype=torch.bool, device=device)
+    return torch.triu(ones, diagonal=1).view(1, 1, seq_length, seq_length)

@@ -1,14 +1,25 @@
-"""Asynchronous tensor-parallel collectives, in flight between a launch and a late wait.
+"""Every collective Domino runs, from the launch that starts it to the wait that ends it.
 
-Megatron-Core's row-parallel linear all-reduces its partial sum ``[s, b, h]`` with a
-blocking call. Domino instead *launches* the all-reduce of each chunk (and each column piece)
-and hands back a :class:`PendingReduce`; the schedule computes another chunk and only then
-calls :meth:`PendingReduce.wait`. This module is the only place forward collectives are
-launched and waited, and each launch and wait is reported to the recorder.
+Megatron-Core launches a tensor-parallel collective and waits for it in the same call. Domino
+launches it at one point of the schedule and waits at a later one, after another chunk's work
+was issued; between the two, the collective is *in flight*. :class:`InFlight` is that state,
+for every kind: it starts the collective(s) asynchronously, records the launch and the wait
+with the event recorder (:mod:`megatron_domino.recorder`), refuses a second launch before the
+wait, and drops the handles once waited. The kinds:
 
-Autograd: the forward all-reduce sums partial outputs of identical-shaped shards, so its
-backward is the identity (Megatron's "g" operator in ``mappings.py``): the gradient of the
-row-parallel output is already replicated on every tensor-parallel rank.
+* :class:`ForwardAllReduce`: one column piece of a row-parallel linear's partial sum
+  ``[s, b/p, h/k]``, all-reduced in place in forward (backward: identity, Megatron's "g"
+  operator; the row linear's output gradient is already replicated on every TP rank);
+* :class:`DgradAllReduce`: a column-parallel linear's input gradient ``[s, b/p, h]``,
+  launched by its backward and waited by the identity on its input
+  (:mod:`megatron_domino.backward_overlap`);
+* :class:`SequenceCollective`: under sequence parallelism, an all-gather or reduce-scatter
+  along ``s``, reused by the forward collective and its backward twin
+  (:mod:`megatron_domino.sequence_parallel`).
+
+The sequence-parallel re-gather of a column linear's saved input
+(:class:`~megatron_domino.saved_shards.SavedInputRegather`) is an :class:`InFlight` too: the
+all-gathers of every tensor it kept, launched and waited as one collective.
 """
 
 from __future__ import annotations
@@ -19,106 +30,163 @@ import torch
 import torch.distributed as dist
 
 from megatron_domino.recorder import LAUNCH, WAIT_BEGIN, WAIT_END, CollectiveLabel
-from megatron_domino.sequence_parallel import (
-    SequenceCollective,
-    launch_scatter,
-    wait_scatter,
-)
+
+__all__ = ["DgradAllReduce", "ForwardAllReduce", "InFlight", "SequenceCollective"]
 
 
-class _LaunchAllReduce(torch.autograd.Function):
-    """Forward: start an in-place async all-reduce of ``partial``; backward: identity."""
-
-    @staticmethod
-    def forward(ctx, partial: torch.Tensor, group: dist.ProcessGroup, works: list):
-        works.append(dist.all_reduce(partial, group=group, async_op=True))
-        return partial
-
-    @staticmethod
-    def backward(ctx, grad_output: torch.Tensor):
-        return grad_output, None, None
-
-
-class PendingReduce:
-    """The row-parallel output of one chunk whose collective(s) are in flight.
-
-    Holds ``k`` partial sums (one per column piece, each ``[s, b/p, h/k]``) and the means to
-    wait for them. Without sequence parallelism each piece is all-reduced in place; with it,
-    reduce-scattered along ``s`` to ``[s/tp, b/p, h/k]`` (see
-    :mod:`megatron_domino.sequence_parallel`). Reading a piece before :meth:`wait` would read
-    an unreduced partial sum, so pieces are only reachable through :meth:`wait`.
+class InFlight:
+    """A collective (or several launched together, recorded as one) between launch and wait.
 
     Args:
         group: the tensor-parallel process group.
         label: recorder label (collective name, layer, chunk).
-        bias: added after the reduction when the linear does not return its bias separately
-            (``skip_bias_add=False``), as Megatron-Core does.
-        scatter: reduce-scatter along the sequence instead of all-reducing.
+        piece: the column piece it belongs to (row-parallel outputs split into ``k``), else 0.
     """
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        label: CollectiveLabel,
-        bias: torch.Tensor | None = None,
-        scatter: bool = False,
-    ) -> None:
-        self._group = group
-        self._label = label
-        self._bias = bias
-        self._scatter = scatter
-        self._waits: list = []
-
-    def launch(self, partial: torch.Tensor) -> None:
-        """Start the collective of the next column piece ``partial`` (``[s, b/p, h/k]``)."""
-        piece = len(self._waits)
-        if self._scatter:
-            slot = SequenceCollective(self._group, self._label, piece)
-            in_flight = launch_scatter(partial, slot)
-            self._waits.append(lambda then=None: wait_scatter(in_flight, slot, then))
-        else:
-            self._waits.append(self._launch_all_reduce(partial.contiguous(), piece))
-
-    def _launch_all_reduce(self, partial: torch.Tensor, piece: int):
-        label, works = self._label, []
-        collective = label.recorder.new_collective_id()
-        reduced = _LaunchAllReduce.apply(partial, self._group, works)
-        label.recorder.record(
-            LAUNCH, label.name, label.layer, label.chunk, "fwd", piece, collective
-        )
-
-        def wait(then=None) -> torch.Tensor:
-            label.recorder.record(
-                WAIT_BEGIN, label.name, label.layer, label.chunk, "fwd", piece, collective
-            )
-            works[0].wait()
-            label.recorder.record(
-                WAIT_END, label.name, label.layer, label.chunk, "fwd", piece, collective
-            )
-            return reduced
-
-        return wait
+    def __init__(self, group: dist.ProcessGroup, label: CollectiveLabel, piece: int = 0) -> None:
+        self.group = group
+        self.label = label
+        self.piece = piece
+        self._works: list = []
+        self._direction = "fwd"
+        self._id: int | None = None
 
     @property
-    def in_flight(self) -> bool:
-        return bool(self._waits)
+    def pending(self) -> bool:
+        """Launched and not yet waited."""
+        return bool(self._works)
 
-    def wait(self, then_in_backward: Callable[[], None] | None = None) -> torch.Tensor:
-        """Wait for every piece; the reduced output ``[s or s/tp, b/p, h]`` (pieces joined on h).
-
-        Under sequence parallelism, ``then_in_backward`` runs in backward right after the
-        reduce-scatters' twins have launched their output-gradient all-gathers (the schedule
-        passes the launch of the chunk's column-linear input re-gather).
-        """
-        if not self._waits:
+    def start(self, direction: str, launch: Callable[[], list]) -> None:
+        """Run ``launch()``, which starts the collective(s) with ``async_op=True`` and returns
+        their handles; record the launch (``direction``: ``fwd`` or ``bwd``)."""
+        if self._works:
+            label = self.label
             raise RuntimeError(
-                f"{self._label.name} of layer {self._label.layer} chunk "
-                f"{self._label.chunk} was waited twice or never launched."
+                f"{label.name} of layer {label.layer} chunk {label.chunk} launched twice "
+                "without a wait."
             )
-        if then_in_backward is not None and not self._scatter:
-            raise RuntimeError("then_in_backward applies to reduce-scatters only.")
-        # Piece 0's twin is the last of the pieces' to run in backward.
-        pieces = [wait(then_in_backward if i == 0 else None) for i, wait in enumerate(self._waits)]
-        self._waits.clear()
-        output = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
-        return output if self._bias is None else output + self._bias
+        self._id = self.label.recorder.new_collective_id()
+        self._direction = direction
+        self._works = list(launch())
+        self._record(LAUNCH)
+
+    def finish(self) -> None:
+        """Block until every collective of the launch has completed; record the wait."""
+        self._record(WAIT_BEGIN)
+        for work in self._works:
+            work.wait()
+        self._record(WAIT_END)
+        self._works = []
+
+    def _record(self, kind: str) -> None:
+        label = self.label
+        label.recorder.record(
+            kind, label.name, label.layer, label.chunk, self._direction, self.piece, self._id
+        )
+
+
+class _LaunchAllReduce(torch.autograd.Function):
+    """Forward: start the in-place async all-reduce of ``partial``; backward: identity."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, slot: ForwardAllReduce):
+        slot.start("fwd", lambda: [dist.all_reduce(partial, group=slot.group, async_op=True)])
+        return partial
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        return grad_output, None
+
+
+class ForwardAllReduce(InFlight):
+    """One piece of a row-parallel output ``[s, b/p, h/k]``, all-reduced in place.
+
+    :meth:`launch` returns the tensor that holds the sum once :meth:`finish` returned; reading
+    it before would read this rank's unreduced partial sum.
+    """
+
+    def launch(self, partial: torch.Tensor) -> torch.Tensor:
+        """Start the all-reduce of the contiguous ``partial``; its autograd output."""
+        return _LaunchAllReduce.apply(partial, self)
+
+
+class DgradAllReduce(InFlight):
+    """The input-gradient all-reduce of one column-parallel linear call for one chunk.
+
+    Created in forward by the schedule, launched by the linear's backward (:meth:`launch`),
+    waited by the backward of the identity on the linear's input (:meth:`wait`).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, label: CollectiveLabel) -> None:
+        super().__init__(group, label)
+        self._buffer: torch.Tensor | None = None
+
+    def launch(self, grad_input: torch.Tensor) -> None:
+        """Start the in-place all-reduce of ``grad_input`` (``[s, b/p, h]``)."""
+        self.start("bwd", lambda: [dist.all_reduce(grad_input, group=self.group, async_op=True)])
+        self._buffer = grad_input
+
+    def wait(self, grad: torch.Tensor) -> torch.Tensor:
+        """Wait for the all-reduce and return the reduced gradient (``grad`` if none flies).
+
+        ``grad`` must be the very tensor that was launched: if autograd had summed it with
+        another consumer's gradient first, that sum would have read an unreduced buffer.
+        """
+        if not self.pending:
+            return grad
+        if grad is not self._buffer and grad.data_ptr() != self._buffer.data_ptr():
+            raise RuntimeError(
+                "Domino backward overlap needs the column-parallel linear to be the only "
+                "consumer of its input; another op consumed it, so its gradient was summed "
+                "with an in-flight all-reduce buffer. Disable with --no-domino-backward-overlap."
+            )
+        self.finish()
+        reduced, self._buffer = self._buffer, None
+        return reduced
+
+
+def _gathered_shape(shard: torch.Tensor, group: dist.ProcessGroup) -> list[int]:
+    return [shard.shape[0] * group.size(), *shard.shape[1:]]
+
+
+def _scattered_shape(full: torch.Tensor, group: dist.ProcessGroup) -> list[int]:
+    return [full.shape[0] // group.size(), *full.shape[1:]]
+
+
+class SequenceCollective(InFlight):
+    """An all-gather or reduce-scatter along the sequence, and its output buffer.
+
+    A slot serves one direction at a time: forward fills and empties it, then backward reuses
+    it for the collective that goes the other way.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, label: CollectiveLabel, piece: int = 0) -> None:
+        super().__init__(group, label, piece)
+        self._output: torch.Tensor | None = None
+
+    def all_gather(self, shard: torch.Tensor, direction: str) -> None:
+        """Start gathering ``shard`` ``[s/tp, ...]`` into ``[s, ...]`` along the sequence."""
+        output = shard.new_empty(_gathered_shape(shard, self.group))
+        self._launch(dist.all_gather_into_tensor, output, shard.contiguous(), direction)
+
+    def reduce_scatter(self, full: torch.Tensor, direction: str) -> None:
+        """Start summing ``full`` ``[s, ...]`` over ranks, each keeping its ``[s/tp, ...]``."""
+        output = full.new_empty(_scattered_shape(full, self.group))
+        self._launch(dist.reduce_scatter_tensor, output, full.contiguous(), direction)
+
+    def output_in_flight(self) -> torch.Tensor:
+        """The output buffer before the wait: only to hand through autograd, never to read."""
+        return self._output
+
+    def wait(self) -> torch.Tensor:
+        """Wait for the collective; its output."""
+        self.finish()
+        output, self._output = self._output, None
+        return output
+
+    def _launch(self, collective, output: torch.Tensor, tensor: torch.Tensor, direction: str):
+        def launch() -> list:
+            return [collective(output, tensor, group=self.group, async_op=True)]
+
+        self.start(direction, launch)
+        self._output = output

@@ -11,6 +11,10 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+#: ``--domino-chunks auto``: the setting is chosen by timing candidates on the run's first
+#: iterations (:mod:`megatron_domino.autotune`); a :class:`DominoConfig` always holds numbers.
+AUTO = "auto"
+
 
 class DominoConfigError(ValueError):
     """An invalid Domino setting; the message names the setting and the fix."""
@@ -35,8 +39,11 @@ class DominoConfig:
         default=2,
         metadata={
             "flag": "--domino-chunks",
+            "auto": True,
             "help": "p: split each layer's input into p chunks along --domino-split; must "
-            "divide --micro-batch-size (batch) or --seq-length (sequence).",
+            "divide --micro-batch-size (batch) or --seq-length (sequence). 'auto' (with "
+            "pretrain_gpt_domino.py) chooses p, --domino-column-chunks and --domino-split "
+            "together by timing each candidate on the first iterations of the run.",
         },
     )
     column_chunks: int = field(
@@ -93,20 +100,24 @@ class DominoConfig:
                 "use --domino-chunks >= 2 (micro-batch >= 2) or --domino-column-chunks >= 2."
             )
 
-    def check_shapes(
+    def shape_problems(
         self,
         *,
-        micro_batch_size: int,
-        hidden_size: int,
+        micro_batch_size: int | None = None,
+        hidden_size: int | None = None,
         seq_length: int | None = None,
         sequence_parallel_size: int = 1,
-    ) -> None:
-        """Raise :class:`DominoConfigError` unless the model's shapes can be split as asked.
+    ) -> list[str]:
+        """Why the model's shapes cannot be split as asked (empty when they can).
 
-        ``seq_length`` is checked for the sequence split when given (else at the first step);
-        under sequence parallelism (``sequence_parallel_size``, the TP size) every rank holds
-        an equal piece of every chunk, so ``p * TP`` must divide it.
+        The one place that says which dimension each setting must divide; a shape left at
+        ``None`` is not known yet and not checked. The flags are checked when parsed
+        (:meth:`check_shapes`), the model when Domino is applied (``hidden_size``), and the
+        chunks' shapes when the block splits its input (:mod:`megatron_domino.chunking`).
+        Under sequence parallelism (``sequence_parallel_size``, the TP size) every rank holds
+        an equal piece of every chunk, so ``p * TP`` must divide ``seq_length``.
         """
+        problems = []
         if self.split_along == "sequence":
             pieces = self.chunks * sequence_parallel_size
             if seq_length is not None and seq_length % pieces:
@@ -116,30 +127,67 @@ class DominoConfig:
                     if sequence_parallel_size > 1
                     else ""
                 )
-                raise DominoConfigError(
+                problems.append(
                     f"--seq-length {seq_length} is not divisible by --domino-chunks "
                     f"{self.chunks}{under_sp}: with --domino-split sequence each chunk holds the "
                     "same number of tokens. Pick a chunk count that divides the sequence length."
                 )
-        elif micro_batch_size % self.chunks:
-            raise DominoConfigError(
+        elif micro_batch_size is not None and micro_batch_size % self.chunks:
+            problems.append(
                 f"--micro-batch-size {micro_batch_size} is not divisible by --domino-chunks "
                 f"{self.chunks}: each chunk must hold the same number of samples. Pick a "
                 "micro-batch that is a multiple of the chunk count, or at micro-batch 1 use "
                 "--domino-split sequence (or --domino-chunks 1 with --domino-column-chunks >= 2)."
             )
-        if hidden_size % self.column_chunks:
-            raise DominoConfigError(
+        if hidden_size is not None and hidden_size % self.column_chunks:
+            problems.append(
                 f"--hidden-size {hidden_size} is not divisible by --domino-column-chunks "
                 f"{self.column_chunks}."
             )
+        return problems
+
+    def check_shapes(self, **shapes) -> None:
+        """Raise :class:`DominoConfigError` unless the shapes can be split as asked.
+
+        Takes the keyword arguments of :meth:`shape_problems`; the message is the first
+        problem found.
+        """
+        problems = self.shape_problems(**shapes)
+        if problems:
+            raise DominoConfigError(problems[0])
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DominoConfig | None:
-        """The config described by parsed flags, or ``None`` when ``--domino`` is off."""
+        """The config described by parsed flags, or ``None`` when ``--domino`` is off.
+
+        Raises:
+            DominoConfigError: ``--domino-chunks auto`` (no single config: see
+                :func:`megatron_domino.megatron_lm.check_args`), or an invalid value.
+        """
         if not args.domino:
             return None
+        if args.domino_chunks == AUTO:
+            raise DominoConfigError(
+                "--domino-chunks auto describes candidates, not one setting; "
+                "megatron_domino.megatron_lm.check_args builds the tuner for it."
+            )
         return cls(**{f.name: getattr(args, _dest(f)) for f in _fields()})
+
+    @staticmethod
+    def auto_fields(args: argparse.Namespace) -> dict:
+        """With ``--domino-chunks auto``: the fields the tuner keeps fixed (the ablation
+        switches). The tuner chooses the split and the column chunks, so setting those too
+        is an error rather than something silently ignored."""
+        tuned = ("chunks", "column_chunks", "split_along")
+        for name in tuned[1:]:
+            f = _field(name)
+            if getattr(args, _dest(f)) != f.default:
+                raise DominoConfigError(
+                    f"--domino-chunks auto chooses {f.metadata['flag']} too; drop "
+                    f"{f.metadata['flag']} {getattr(args, _dest(f))}, or give --domino-chunks "
+                    "a number."
+                )
+        return {f.name: getattr(args, _dest(f)) for f in _fields() if f.name not in tuned}
 
 
 def _dest(f: dataclasses.Field) -> str:
@@ -191,9 +239,27 @@ def add_domino_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             group.add_argument(
                 meta["flag"],
                 dest=_dest(f),
-                type=int,
+                type=_int_or_auto if meta.get("auto") else int,
                 default=f.default,
-                metavar="N",
+                metavar="N|auto" if meta.get("auto") else "N",
                 help=meta["help"] + f" Default: {f.default}.",
             )
+    group.add_argument(
+        "--domino-auto-iters",
+        type=int,
+        default=3,
+        metavar="N",
+        help="With --domino-chunks auto: measured iterations per candidate setting (each "
+        "after one unmeasured warm-up iteration); the candidates run in rounds. Default: 3.",
+    )
     return parser
+
+
+def _int_or_auto(value: str) -> int | str:
+    """``--domino-chunks``'s type: a number, or :data:`AUTO`."""
+    if value == AUTO:
+        return AUTO
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None

@@ -1,20 +1,24 @@
-"""Domino's versions of the ``forward`` of Megatron-Core's tensor-parallel linears.
+"""Megatron-Core's tensor-parallel linears under the schedule, and the row output in flight.
 
-They are bound per module instance by :mod:`megatron_domino.integration` (the class is left
-untouched, so other models in the process keep stock behaviour) and act only while the
-Domino schedule runs an op for a chunk; otherwise they call the stock ``forward``.
+:mod:`megatron_domino.apply` binds these onto module instances (the class is left untouched,
+so other models in the process keep stock behaviour; :mod:`megatron_domino.plan` says which
+function goes where, for Megatron's own linears and Transformer Engine's). Outside a Domino op
+every one of them runs the stock ``forward``.
 
-* :func:`row_parallel_forward` (attention ``linear_proj``, MLP ``linear_fc2``): during a core
-  op it only captures its input, so that the schedule can run the GEMM in a later op, after
-  another chunk's work has been issued. During the projection op it runs the GEMM with
-  Megatron-Core's own ``_forward_impl``, split into ``k`` pieces along the output dimension
-  ``h``, and launches each piece's all-reduce instead of Megatron's blocking
-  ``reduce_from_tensor_model_parallel_region``.
-  A Transformer Engine row-parallel linear takes the same path, its GEMM run by TE with its
-  collective switched off (:func:`~megatron_domino.te_linears.te_row_partial`).
-* :func:`column_parallel_forward` (``linear_qkv``, ``linear_fc1``): with backward overlap on,
-  uses :func:`~megatron_domino.backward_overlap.column_linear_async_dgrad`, whose input
-  gradient all-reduce is waited by the identity the schedule placed on the linear's input.
+* **Row-parallel** (attention ``linear_proj``, MLP ``linear_fc2``): the schedule wants the
+  GEMM one op later than Megatron's ``SelfAttention``/``MLP`` forward calls it, so that another
+  chunk's work is issued in between. So the bound forward, :func:`capture_row_input`, runs
+  during the core op and only records what to compute (:class:`DeferredRow`); the projection
+  op then calls :func:`row_projection`, which runs the GEMM (split into ``k`` pieces along
+  the output dimension ``h``, without any collective: :class:`RowGemm`) and launches each
+  piece's all-reduce, or under sequence parallelism its reduce-scatter, instead of Megatron's
+  blocking ``reduce_from_tensor_model_parallel_region``. It returns a :class:`PendingReduce`,
+  which the next norm op waits for.
+* **Column-parallel** (``linear_qkv``, ``linear_fc1``), :func:`column_parallel_forward`: with
+  backward overlap, the GEMM whose backward leaves the input-gradient all-reduce in flight
+  (:mod:`megatron_domino.backward_overlap`); under sequence parallelism, Megatron's own GEMM
+  path on the input the schedule gathered, keeping only this rank's shard of it for backward
+  (:mod:`megatron_domino.saved_shards`).
 
 Chunk shapes are written for the batch split, ``[s, b/p, h]``; under the sequence split
 read ``[s/p, b, h]``.
@@ -22,68 +26,52 @@ read ``[s/p, b, h]``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
+import torch.distributed as dist
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 from megatron_domino.backward_overlap import column_linear_async_dgrad
-from megatron_domino.collectives import PendingReduce
-from megatron_domino.recorder import time_backward
-from megatron_domino.sequence_parallel import keeping_input_shards
-from megatron_domino.state import DominoRuntime
-from megatron_domino.te_linears import is_te_linear, te_row_partial
+from megatron_domino.collectives import ForwardAllReduce, SequenceCollective
+from megatron_domino.recorder import CollectiveLabel, time_backward
+from megatron_domino.saved_shards import keeping_input_shards
+from megatron_domino.sequence_parallel import launch_scatter, wait_scatter
+
+if TYPE_CHECKING:
+    from megatron_domino.state import ChunkState, DominoRuntime
+
+__all__ = [
+    "LOCAL_ROW",
+    "DeferredRow",
+    "PendingReduce",
+    "RowGemm",
+    "capture_row_input",
+    "column_parallel_forward",
+    "row_projection",
+]
 
 
-def row_parallel_forward(module: torch.nn.Module, input_: torch.Tensor, *, runtime: DominoRuntime):
-    """Capture (core op) or run-and-launch (projection op) a row-parallel linear.
+@dataclass(frozen=True)
+class RowGemm:
+    """How one implementation's row-parallel linear computes this rank's partial sum.
 
-    ``module`` is Megatron-Core's ``RowParallelLinear`` or a Transformer Engine row-parallel
-    linear (see :mod:`megatron_domino.te_linears`; one piece only).
-
-    Args:
-        input_: ``[s, b/p, n/tp]``, this rank's slice of the attention context or of the
-            MLP activation.
-    Returns:
-        ``(None, None)`` when capturing; else ``(PendingReduce, bias-or-None)``, the output
-        ``[s, b/p, h]`` being available only through ``PendingReduce.wait``.
+    Attributes:
+        partial: ``(module, input_, piece, pieces) -> (partial [s, b/p, h/pieces], bias the
+            linear returns or None)``, with no collective.
+        bias_after_reduce: ``module -> bias or None``: the bias added once to the reduced
+            output (a linear that does not return its bias separately, ``skip_bias_add=False``).
     """
-    step = runtime.step
-    if step is None or step.active is None:
-        return type(module).forward(module, input_)
-    chunk = step.active
-    if step.deferred_module is module:
-        chunk.deferred_input = input_
-        return None, None
-    if step.deferred_module is not None:
-        raise RuntimeError(
-            f"Domino: an unexpected {type(module).__name__} ran inside the "
-            f"{step.sublayer} core op; this module structure is unsupported."
-        )
-    scatter = runtime.sequence_parallel
-    label = step.label("rs" if scatter else "ar", runtime.recorder)
-    te = is_te_linear(module)
-    pending = PendingReduce(
-        runtime.tp_group,
-        label,
-        bias=None if te or module.skip_bias_add else module.bias,
-        scatter=scatter,
-    )
-    k = runtime.config.column_chunks
-    returned_bias = None if te or not module.skip_bias_add else module.bias
-    gemm = f"{step.sublayer}_projection_gemm"
-    for piece in range(k):
-        with runtime.recorder.region(gemm, label.layer, label.chunk, "fwd", piece):
-            if te:
-                partial, returned_bias = te_row_partial(module, input_)
-            else:
-                partial = _local_row_partial(module, input_, piece, k)
-        time_backward(partial, runtime.recorder, gemm, label.layer, label.chunk, piece)
-        pending.launch(partial)
-    return pending, returned_bias
+
+    partial: Callable
+    bias_after_reduce: Callable[[torch.nn.Module], torch.Tensor | None]
 
 
 def _local_row_partial(
     module: RowParallelLinear, input_: torch.Tensor, piece: int, pieces: int
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Piece ``piece`` of ``pieces`` of this rank's partial sum ``[s, b/p, h/pieces]``.
 
     Megatron-Core's own GEMM path (frozen weights, main_grad accumulation), called by keyword:
@@ -91,7 +79,7 @@ def _local_row_partial(
     accumulate through autograd instead.
     """
     weight = module.weight.chunk(pieces, dim=0)[piece] if pieces > 1 else module.weight
-    return module._forward_impl(
+    partial = module._forward_impl(
         input=input_,
         weight=weight,
         bias=None,
@@ -101,6 +89,137 @@ def _local_row_partial(
         tp_group=None,
         grad_output_buffer=None,
     )
+    return partial, module.bias if module.skip_bias_add else None
+
+
+#: Megatron-Core's ``RowParallelLinear``.
+LOCAL_ROW = RowGemm(
+    partial=_local_row_partial,
+    bias_after_reduce=lambda module: None if module.skip_bias_add else module.bias,
+)
+
+
+@dataclass(frozen=True)
+class DeferredRow:
+    """A row-parallel linear call captured in a core op, run by the next projection op."""
+
+    module: torch.nn.Module
+    input_: torch.Tensor
+    """``[s, b/p, n/tp]``, this rank's slice of the attention context or MLP activation."""
+    gemm: RowGemm
+
+
+def capture_row_input(
+    module: torch.nn.Module, input_: torch.Tensor, *, runtime: DominoRuntime, gemm: RowGemm
+):
+    """The bound ``forward`` of a row-parallel linear: during the core op that is expected to
+    call it, record the call for the projection op and return ``(None, None)`` (Megatron's
+    ``SelfAttention``/``MLP`` hand that on as their output, which the schedule ignores)."""
+    step = runtime.step
+    if step is None or step.active is None:
+        return type(module).forward(module, input_)
+    if step.deferred_module is not module:
+        raise RuntimeError(
+            f"Domino: an unexpected {type(module).__name__} ran inside the "
+            f"{step.sublayer} core op; this module structure is unsupported."
+        )
+    step.active.deferred = DeferredRow(module, input_, gemm)
+    return None, None
+
+
+class PendingReduce:
+    """The row-parallel output of one chunk whose collective(s) are in flight.
+
+    Holds ``k`` partial sums (one per column piece, each ``[s, b/p, h/k]``) and the means to
+    wait for them. Without sequence parallelism each piece is all-reduced in place; with it,
+    reduce-scattered along ``s`` to ``[s/tp, b/p, h/k]``. Reading a piece before :meth:`wait`
+    would read an unreduced partial sum, so pieces are only reachable through :meth:`wait`.
+
+    Args:
+        group: the tensor-parallel process group.
+        label: recorder label (collective name, layer, chunk).
+        bias: added after the reduction when the linear does not return its bias separately
+            (``skip_bias_add=False``), as Megatron-Core does.
+        scatter: reduce-scatter along the sequence instead of all-reducing.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        label: CollectiveLabel,
+        bias: torch.Tensor | None = None,
+        scatter: bool = False,
+    ) -> None:
+        self._group = group
+        self._label = label
+        self._bias = bias
+        self._scatter = scatter
+        self._pieces: list[tuple[ForwardAllReduce | SequenceCollective, torch.Tensor]] = []
+
+    def launch(self, partial: torch.Tensor) -> None:
+        """Start the collective of the next column piece ``partial`` (``[s, b/p, h/k]``)."""
+        piece = len(self._pieces)
+        if self._scatter:
+            slot = SequenceCollective(self._group, self._label, piece)
+            self._pieces.append((slot, launch_scatter(partial, slot)))
+        else:
+            slot = ForwardAllReduce(self._group, self._label, piece)
+            self._pieces.append((slot, slot.launch(partial.contiguous())))
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self._pieces)
+
+    def wait(self, then_in_backward: Callable[[], None] | None = None) -> torch.Tensor:
+        """Wait for every piece; the reduced output ``[s or s/tp, b/p, h]`` (pieces joined on h).
+
+        Under sequence parallelism, ``then_in_backward`` runs in backward right after the
+        reduce-scatters' twins have launched their output-gradient all-gathers (the schedule
+        passes the launch of the chunk's column-linear input re-gather).
+        """
+        if not self._pieces:
+            raise RuntimeError(
+                f"{self._label.name} of layer {self._label.layer} chunk "
+                f"{self._label.chunk} was waited twice or never launched."
+            )
+        if then_in_backward is not None and not self._scatter:
+            raise RuntimeError("then_in_backward applies to reduce-scatters only.")
+        outputs = []
+        for index, (slot, in_flight) in enumerate(self._pieces):
+            if self._scatter:
+                # Piece 0's twin is the last of the pieces' to run in backward.
+                then = then_in_backward if index == 0 else None
+                outputs.append(wait_scatter(in_flight, slot, then))
+            else:
+                slot.finish()
+                outputs.append(in_flight)
+        self._pieces.clear()
+        output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
+        return output if self._bias is None else output + self._bias
+
+
+def row_projection(
+    runtime: DominoRuntime, chunk: ChunkState, layer: int, sublayer: str
+) -> tuple[PendingReduce, torch.Tensor | None]:
+    """The projection op's GEMM of ``chunk``'s captured row-parallel call, its collectives
+    launched: ``(PendingReduce, bias-or-None)``, the output ``[s, b/p, h]`` (``[s/tp, b/p, h]``
+    under sequence parallelism) being available only through :meth:`PendingReduce.wait`."""
+    deferred, chunk.deferred = chunk.deferred, None
+    module, recorder = deferred.module, runtime.recorder
+    scatter = runtime.sequence_parallel
+    label = CollectiveLabel(f"{sublayer}_{'rs' if scatter else 'ar'}", layer, chunk.index, recorder)
+    pending = PendingReduce(
+        runtime.tp_group, label, bias=deferred.gemm.bias_after_reduce(module), scatter=scatter
+    )
+    k = runtime.config.column_chunks
+    returned_bias = None
+    gemm = f"{sublayer}_projection_gemm"
+    for piece in range(k):
+        with recorder.region(gemm, layer, chunk.index, "fwd", piece):
+            partial, returned_bias = deferred.gemm.partial(module, deferred.input_, piece, k)
+        time_backward(partial, recorder, gemm, layer, chunk.index, piece)
+        pending.launch(partial)
+    return pending, returned_bias
 
 
 def column_parallel_forward(
@@ -117,8 +236,7 @@ def column_parallel_forward(
     identity the schedule placed on ``input_``). With it, ``input_`` was already gathered by
     the schedule, whose gather nodes also reduce-scatter dX, so this is Megatron's own GEMM
     path, keeping only this rank's shard of ``input_`` for backward, as stock sequence
-    parallelism does
-    (:func:`~megatron_domino.sequence_parallel.keeping_input_shards`).
+    parallelism does (:func:`~megatron_domino.saved_shards.keeping_input_shards`).
 
     Args:
         input_: ``[s, b/p, h]``, the norm output, replicated (or gathered) on every TP rank.

@@ -4,19 +4,23 @@ Megatron-LM builds its GPT model from a ``GPTModelConfig`` (``gpt_config_from_ar
 ``pre_wrap_hooks`` run on the list of built model chunks (one per pipeline stage, or per
 virtual stage) before ``Float16Module`` and DDP wrap them. That is where Domino goes: it binds
 ``forward`` onto module instances, which the wrappers keep. Three calls connect a Megatron-LM
-script to Domino, and both ``pretrain_gpt_domino.py`` and the patch for Megatron-LM's
-``pretrain_gpt.py`` (``patches/``) make exactly these:
+script to Domino:
 
-* :func:`add_domino_args` as (part of) ``extra_args_provider``: ``--domino`` and one flag per
+* :func:`add_domino_args` (from :mod:`megatron_domino.config`) as (part of)
+  ``extra_args_provider``: ``--domino`` and one flag per
   :class:`~megatron_domino.config.DominoConfig` field on Megatron's own parser;
-* :func:`check_args` once Megatron has validated its arguments: every refusal that needs no
-  built model (flag values, shapes, TP = 1, features Domino cannot combine with), so a bad
-  command line fails before a process group, checkpoint or log directory exists;
-* :func:`attach` on the ``GPTModelConfig``: appends the pre-wrap hook that applies Domino to
+* :func:`check_args` once Megatron has validated its arguments: builds the
+  :class:`~megatron_domino.config.DominoConfig` and runs every refusal that needs no built
+  model (flag values, shapes, TP = 1, features Domino cannot combine with), so a bad command
+  line fails before a process group, checkpoint or log directory exists;
+* :func:`add_hook` on the ``GPTModelConfig``: appends the pre-wrap hook that applies Domino to
   every model chunk (and runs the structural refusals of
-  :func:`~megatron_domino.integration.apply_domino` on the built layers).
+  :func:`~megatron_domino.apply.apply_domino` on the built layers).
 
-Without ``--domino`` nothing of Domino is imported by the script or the patch.
+:func:`attach` is the last two in one call, for a script that checks nothing earlier: the patch
+for Megatron-LM's ``pretrain_gpt.py`` (``patches/``) calls it; ``pretrain_gpt_domino.py``
+checks its flags inside Megatron's validation and adds the hook with the config it got.
+Neither imports this module without ``--domino``.
 """
 
 from __future__ import annotations
@@ -25,34 +29,34 @@ import argparse
 
 import torch
 
-from megatron_domino.config import DominoConfig, add_domino_args
-from megatron_domino.integration import (
-    DominoHandle,
-    apply_domino,
-    config_problems,
-    fsdp_problems,
-    raise_problems,
-)
-from megatron_domino.te_linears import te_problems
+from megatron_domino.apply import DominoHandle, apply_domino
+from megatron_domino.autotune import AutoTuner, candidate_configs
+from megatron_domino.config import AUTO, DominoConfig, DominoConfigError, add_domino_args
+from megatron_domino.refusals import config_problems, fsdp_problems, raise_problems
 from megatron_domino.version import check_megatron_core_version
 
-__all__ = ["DominoModelHook", "add_domino_args", "attach", "check_args"]
+__all__ = ["DominoModelHook", "add_domino_args", "add_hook", "attach", "check_args"]
 
 
-def check_args(args: argparse.Namespace) -> DominoConfig | None:
+def check_args(args: argparse.Namespace) -> DominoConfig | AutoTuner | None:
     """Domino's config from Megatron's validated ``args``, or ``None`` without ``--domino``.
+
+    With ``--domino-chunks auto`` it is an :class:`~megatron_domino.autotune.AutoTuner` over
+    every setting this model can run (the others' reasons are dropped: they are why those
+    settings are not candidates); the pre-wrap hook applies its first candidate and
+    :meth:`DominoModelHook.tune` moves through the rest.
 
     Raises:
         UnsupportedMegatronVersion: the imported Megatron-Core is not a tested release.
         DominoConfigError: a ``--domino*`` value is invalid or the shapes cannot be split.
         DominoUnsupportedError: the flags ask for something Domino cannot run with; the
             message lists every reason with its fix.
+        NoCandidateError: ``auto``, and no setting can run (each reason listed).
     """
-    config = DominoConfig.from_args(args)
-    if config is None:
+    if not args.domino:
         return None
     check_megatron_core_version()
-    config.check_shapes(
+    shapes = dict(
         micro_batch_size=args.micro_batch_size,
         hidden_size=args.hidden_size,
         seq_length=args.seq_length,
@@ -60,24 +64,32 @@ def check_args(args: argparse.Namespace) -> DominoConfig | None:
     )
     from megatron.training.arguments import core_transformer_config_from_args
 
-    model_config = core_transformer_config_from_args(args)
-    problems = config_problems(model_config, config, tp_size=args.tensor_model_parallel_size)
+    transformer_config = core_transformer_config_from_args(args)
     # Not in the TransformerConfig: Megatron-LM wraps the built model after the pre-wrap hook.
-    problems += fsdp_problems(
-        megatron_fsdp=args.use_megatron_fsdp, torch_fsdp2=args.use_torch_fsdp2
-    )
-    if args.transformer_impl == "transformer_engine":
-        problems += te_problems(
+    fsdp = fsdp_problems(megatron_fsdp=args.use_megatron_fsdp, torch_fsdp2=args.use_torch_fsdp2)
+
+    def refusals(config: DominoConfig) -> list[str]:
+        return config_problems(
+            transformer_config,
             config,
-            sequence_parallel=args.sequence_parallel,
-            fp8_recipe=args.fp8_recipe if args.fp8 else None,
+            tp_size=args.tensor_model_parallel_size,
+            te_layers=args.transformer_impl == "transformer_engine",
         )
-    elif args.fp8:
-        problems.append(
-            "FP8 runs only in Transformer Engine layers, and --transformer-impl local builds "
-            "Megatron's own linears; use --transformer-impl transformer_engine or drop --fp8-format"
+
+    if args.domino_chunks == AUTO:
+        raise_problems(fsdp)
+        if args.domino_auto_iters < 1:
+            raise DominoConfigError(
+                f"--domino-auto-iters must be >= 1, got {args.domino_auto_iters}."
+            )
+        candidates, _ = candidate_configs(
+            lambda config: config.shape_problems(**shapes) + refusals(config),
+            **DominoConfig.auto_fields(args),
         )
-    raise_problems(problems)
+        return AutoTuner(candidates, rounds=args.domino_auto_iters)
+    config = DominoConfig.from_args(args)
+    config.check_shapes(**shapes)
+    raise_problems(refusals(config) + fsdp)
     return config
 
 
@@ -87,31 +99,66 @@ class DominoModelHook:
     Megatron-LM calls it once with the list of this rank's model chunks, right after building
     them and before wrapping them. The handles are kept (:attr:`handles`, one per chunk) so
     a caller can reach each chunk's Domino runtime (e.g. the overlap report's recorder).
+    Given an :class:`~megatron_domino.autotune.AutoTuner`, it applies the tuner's current
+    setting and :meth:`tune` switches every chunk to the next one between iterations.
     """
 
-    def __init__(self, config: DominoConfig) -> None:
-        self.config = config
+    def __init__(self, config: DominoConfig | AutoTuner) -> None:
+        self.tuner = config if isinstance(config, AutoTuner) else None
+        self.config = self.tuner.current if self.tuner else config
         self.handles: list[DominoHandle] = []
+        self._chunks: list[torch.nn.Module] = []
 
     def __call__(self, model_chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
         if self.handles:
             raise RuntimeError("The Domino model hook already ran; build the model once.")
+        self._chunks = list(model_chunks)
         self.handles = [apply_domino(chunk, self.config) for chunk in model_chunks]
         return model_chunks
 
+    @property
+    def tuning(self) -> bool:
+        """Whether ``--domino-chunks auto`` is still trying candidates."""
+        return self.tuner is not None and not self.tuner.done
+
+    def tune(self, seconds: float) -> None:
+        """Give the tuner the last iteration's time (the same on every rank: the caller takes
+        the slowest rank's); switch every model chunk if the next iteration runs another
+        setting. Domino binds ``forward`` on module instances, which the Float16/DDP wrappers
+        built after this hook keep, so reverting and re-applying between iterations changes
+        the schedule only; parameters, gradients and optimizer state are untouched."""
+        next_config = self.tuner.record(seconds)
+        if next_config is None:
+            return
+        for handle in self.handles:
+            handle.revert()
+        self.handles = [apply_domino(chunk, next_config) for chunk in self._chunks]
+        self.config = next_config
+
+
+def add_hook(model_config, config: DominoConfig | AutoTuner) -> DominoModelHook:
+    """Append Domino's hook for ``config`` (from :func:`check_args`) to
+    ``model_config.pre_wrap_hooks`` (Megatron-LM's ``GPTModelConfig``); return it."""
+    hook = DominoModelHook(config)
+    model_config.pre_wrap_hooks.append(hook)
+    return hook
+
 
 def attach(model_config, args: argparse.Namespace) -> DominoModelHook | None:
-    """Run :func:`check_args` and append Domino's hook to ``model_config.pre_wrap_hooks``.
+    """:func:`check_args`, then :func:`add_hook` (``None`` without ``--domino``).
 
     Args:
         model_config: Megatron-LM's ``GPTModelConfig`` (``gpt_config_from_args(args)``).
         args: Megatron's validated arguments.
-    Returns:
-        The hook (``None`` without ``--domino``).
+    Raises:
+        DominoConfigError: ``--domino-chunks auto``, which needs a loop that times its
+            iterations and calls :meth:`DominoModelHook.tune` (``pretrain_gpt_domino.py``).
     """
+    if args.domino and args.domino_chunks == AUTO:
+        raise DominoConfigError(
+            "--domino-chunks auto times candidate settings on the first iterations, which "
+            "pretrain_gpt_domino.py does and Megatron-LM's pretrain_gpt.py does not: run "
+            "pretrain_gpt_domino.py, or give --domino-chunks a number here."
+        )
     config = check_args(args)
-    if config is None:
-        return None
-    hook = DominoModelHook(config)
-    model_config.pre_wrap_hooks.append(hook)
-    return hook
+    return None if config is None else add_hook(model_config, config)

@@ -3,7 +3,7 @@
 The block input ``[s, b, h]`` is split into ``p`` chunks (:mod:`megatron_domino.chunking`):
 along ``b`` into ``[s, b/p, h]`` (samples never interact inside a transformer, so each chunk
 runs the layer stack on its own), or along ``s`` into ``[s/p, b, h]`` (whose attention also
-reads the earlier chunks' keys, :mod:`megatron_domino.sequence_split`). Shapes below are
+reads the earlier chunks' keys, :mod:`megatron_domino.chunk_attention`). Shapes below are
 written for the batch split. Each layer is, per chunk, six ops that call Megatron-Core's own
 submodules:
 
@@ -44,14 +44,12 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
-from megatron_domino.backward_overlap import DgradReduceSlot, wait_for_dgrad_reduce
+from megatron_domino.backward_overlap import wait_for_dgrad_reduce
+from megatron_domino.collectives import DgradAllReduce, SequenceCollective
+from megatron_domino.linears import row_projection
 from megatron_domino.recorder import CollectiveLabel
-from megatron_domino.sequence_parallel import (
-    SavedInputRegather,
-    SequenceCollective,
-    launch_gather,
-    wait_gather,
-)
+from megatron_domino.saved_shards import SavedInputRegather
+from megatron_domino.sequence_parallel import launch_gather, wait_gather
 from megatron_domino.state import ChunkState, DominoRuntime
 
 Op = Callable[[ChunkState], None]
@@ -103,14 +101,10 @@ class LayerOps:
             attention(chunk.linear_input, **chunk.attention_inputs)
 
     def projection(self, sublayer: str, chunk: ChunkState) -> None:
-        linear = (
-            self.layer.self_attention.linear_proj
-            if sublayer == "attention"
-            else self.layer.mlp.linear_fc2
+        """Run the row-parallel GEMM the core op captured; launch its collectives."""
+        chunk.pending, chunk.pending_bias = row_projection(
+            self.runtime, chunk, self.index, sublayer
         )
-        with self.runtime.acting_for(chunk, self.index, sublayer):
-            chunk.pending, chunk.pending_bias = linear(chunk.deferred_input)
-        chunk.deferred_input = None
 
     def mlp_norm(self, chunk: ChunkState) -> None:
         hidden = self._bias_dropout_add(self.layer.self_attn_bda, chunk)
@@ -185,7 +179,7 @@ class LayerOps:
         if not (runtime.config.backward_overlap and grad):
             return normed
         label = CollectiveLabel(f"{sublayer}_dgrad_ar", self.index, chunk.index, runtime.recorder)
-        chunk.dgrad_slot = DgradReduceSlot(runtime.tp_group, label)
+        chunk.dgrad_slot = DgradAllReduce(runtime.tp_group, label)
         runtime.step.dgrad_slots.append(chunk.dgrad_slot)
         return wait_for_dgrad_reduce(normed, chunk.dgrad_slot)
 

@@ -5,9 +5,9 @@ handle returned by ``apply_domino`` and is shared by the patched modules of one 
 each forward of the transformer block (of each layer range, under full activation recompute,
 and again for its replay) creates a :class:`StepState` holding one :class:`ChunkState` per
 chunk, and drops it when the forward returns, after checking
-that no forward collective is still in flight. Backward all-reduces are owned by the
-:class:`DgradReduceSlot` s the step created; ``last_step`` keeps them so callers (tests, the
-overlap report) can check that a backward left nothing pending.
+that no forward collective is still in flight. Backward collectives are owned by the slots
+the step created (:mod:`megatron_domino.collectives`); ``last_step`` keeps them so callers
+(tests, the overlap report) can check that a backward left nothing pending.
 
 Chunk shapes are written for the batch split, ``[s, b/p, h]``; under the sequence split
 read ``[s/p, b, h]``.
@@ -18,15 +18,18 @@ from __future__ import annotations
 import contextlib
 import weakref
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from megatron_domino.backward_overlap import DgradReduceSlot
-from megatron_domino.collectives import PendingReduce
 from megatron_domino.config import DominoConfig
-from megatron_domino.recorder import NULL_RECORDER, CollectiveLabel, NullRecorder
-from megatron_domino.sequence_parallel import SavedInputRegather, SequenceCollective
+from megatron_domino.recorder import NULL_RECORDER, NullRecorder
+
+if TYPE_CHECKING:
+    from megatron_domino.collectives import DgradAllReduce, SequenceCollective
+    from megatron_domino.linears import DeferredRow, PendingReduce
+    from megatron_domino.saved_shards import SavedInputRegather
 
 
 @dataclass
@@ -51,8 +54,8 @@ class ChunkState:
             of the sub-layer in progress keeps of its gathered input (this rank's shard), and
             its backward re-gather, launched by the backward of the next wait of this chunk's
             row-linear reduce-scatter.
-        deferred_input: input of the row-parallel linear, captured while the core ran
-            (``[s, b/p, n/tp]``), so the GEMM can run in the next op.
+        deferred: the row-parallel linear's call, captured while the core ran (its input
+            ``[s, b/p, n/tp]``), so that the GEMM can run in the next op.
         pending: the row-parallel output whose all-reduce is in flight.
         pending_bias: that linear's bias, returned separately (``skip_bias_add``).
     """
@@ -62,10 +65,10 @@ class ChunkState:
     attention_inputs: dict
     residual: torch.Tensor | None = None
     linear_input: torch.Tensor | None = None
-    dgrad_slot: DgradReduceSlot | None = None
+    dgrad_slot: DgradAllReduce | None = None
     gather_slot: SequenceCollective | None = None
     input_regather: SavedInputRegather | None = None
-    deferred_input: torch.Tensor | None = None
+    deferred: DeferredRow | None = None
     pending: PendingReduce | None = None
     pending_bias: torch.Tensor | None = None
 
@@ -76,14 +79,14 @@ class StepState:
 
     ``active`` is the chunk whose op is running, in sub-layer ``sublayer`` (``attention`` or
     ``mlp``) of layer ``layer``; the patched linears act for it. During a core op the
-    row-parallel linear ``deferred_module`` only records its input; during a projection op
-    (``deferred_module`` unset) it runs its GEMM and launches its all-reduce. Under the
+    row-parallel linear ``deferred_module`` only records its call, which the projection op
+    then runs (:func:`~megatron_domino.linears.row_projection`). Under the
     sequence split, ``key_values[layer]`` holds each earlier chunk's keys and values
     ``[s/p, b, g/tp, d]`` (after rotary embedding), which later chunks attend to.
     """
 
     chunks: list[ChunkState]
-    dgrad_slots: list[DgradReduceSlot] = field(default_factory=list)
+    dgrad_slots: list[DgradAllReduce] = field(default_factory=list)
     sequence_slots: list[SequenceCollective] = field(default_factory=list)
     #: Held weakly: they keep activation shards, which must go with the autograd graph.
     regathers: weakref.WeakSet[SavedInputRegather] = field(default_factory=weakref.WeakSet)
@@ -92,10 +95,6 @@ class StepState:
     layer: int = -1
     sublayer: str = ""
     deferred_module: torch.nn.Module | None = None
-
-    def label(self, suffix: str, recorder: NullRecorder) -> CollectiveLabel:
-        """Recorder label for the active chunk's collective, e.g. ``attention_ar``."""
-        return CollectiveLabel(f"{self.sublayer}_{suffix}", self.layer, self.active.index, recorder)
 
     @property
     def pending_forward(self) -> list:

@@ -12,8 +12,9 @@ else TE does (FP8 casts, the fused norm, fused weight-gradient accumulation into
 asynchronously, as it does for Megatron's linears:
 
 * **Row-parallel** (``linear_proj``, ``linear_fc2``): the output's all-reduce (reduce-scatter
-  under sequence parallelism) becomes a :class:`~megatron_domino.collectives.PendingReduce`,
-  waited after another chunk's work (:func:`te_row_partial`). The row linear's backward has
+  under sequence parallelism) becomes a :class:`~megatron_domino.linears.PendingReduce`,
+  waited after another chunk's work (:data:`TE_ROW`, run by
+  :func:`~megatron_domino.linears.row_projection`). The row linear's backward has
   no collective of its own once the all-gather of its output gradient (under SP) is done by
   the reduce-scatter's backward twin.
 * **Column-parallel with the fused norm** (``linear_qkv``, ``linear_fc1``), under sequence
@@ -29,7 +30,7 @@ asynchronously, as it does for Megatron's linears:
   ``sequence_parallel``, is the same. Stock TE keeps its input and norm output as this
   rank's shards ``[s/tp, b, h]`` for backward and gathers the norm output again there; TE
   called on the full sequence would keep both whole, so the call runs under
-  :func:`~megatron_domino.sequence_parallel.keeping_input_shards`, which keeps this rank's
+  :func:`~megatron_domino.saved_shards.keeping_input_shards`, which keeps this rank's
   rows of both and gathers them again in backward (in bf16/fp16; an FP8 norm output is a
   TE tensor subclass and is kept whole).
 * **Column-parallel without sequence parallelism**: the forward has no collective, and the
@@ -38,7 +39,8 @@ asynchronously, as it does for Megatron's linears:
   described in :func:`_domino_call_settings`). Domino's cross-chunk backward overlap cannot apply here: the fused norm's
   backward runs inside the same TE function right after the all-reduce, and moving the
   all-reduce behind it would leave the norm weights with partial gradients that nothing sums.
-  So this combination needs ``--no-domino-backward-overlap`` (:func:`te_problems`).
+  So this combination needs ``--no-domino-backward-overlap``
+  (:func:`megatron_domino.refusals.te_problems`).
 
 Known risks, from reading TE's source (not observed): the backward FP8 scale update runs in
 the backward of the step's first FP8 call (chunk 0's first linear), normally the last
@@ -57,91 +59,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
-from megatron.core.extensions.transformer_engine import HAVE_TE
-from megatron.core.utils import get_te_version
-from packaging.version import Version
 
-from megatron_domino.config import DominoConfig, DominoUnsupportedError
+from megatron_domino.linears import RowGemm
 from megatron_domino.recorder import time_backward
-from megatron_domino.sequence_parallel import keeping_input_shards
-from megatron_domino.state import DominoRuntime
+from megatron_domino.saved_shards import keeping_input_shards
 
-__all__ = [
-    "TE_MIN_VERSION",
-    "check_transformer_engine_version",
-    "is_te_linear",
-    "te_column_parallel_forward",
-    "te_problems",
-    "te_row_partial",
-]
+if TYPE_CHECKING:
+    from megatron_domino.state import DominoRuntime
 
-#: Oldest Transformer Engine whose linears read ``parallel_mode`` and ``sequence_parallel`` at
-#: call time (read from TE's source, 1.13 and 2.x; no TE version has been run with Domino yet).
-TE_MIN_VERSION = Version("1.13.0")
-
-
-def is_te_linear(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is a TE tensor-parallel linear as Megatron-Core wraps it.
-
-    Recognised by interface, not class: TE's ``parallel_mode`` and the ``te_return_bias`` of
-    Megatron's wrappers (``megatron.core.extensions.transformer_engine``), whose classes only
-    exist where TE imports.
-    """
-    return hasattr(module, "parallel_mode") and hasattr(module, "te_return_bias")
-
-
-def check_transformer_engine_version() -> None:
-    """Raise unless the installed Transformer Engine is at least :data:`TE_MIN_VERSION`.
-
-    Without TE nothing is checked: Megatron's TE layers cannot be built then. (Megatron-Core
-    0.19's ``get_te_version`` reports ``0.0.0`` when TE does not import, hence ``HAVE_TE``.)
-    """
-    if not HAVE_TE:
-        return
-    found = get_te_version()
-    if found < TE_MIN_VERSION:
-        raise DominoUnsupportedError(
-            f"Domino needs Transformer Engine >= {TE_MIN_VERSION} (its linears must read "
-            f"parallel_mode per call); found {found}. Upgrade transformer-engine, or use "
-            "--transformer-impl local."
-        )
-
-
-def te_problems(
-    config: DominoConfig, *, sequence_parallel: bool, fp8_recipe: str | None
-) -> list[str]:
-    """Why Domino cannot run these settings on TE layers (empty when it can).
-
-    Args:
-        config: the Domino settings.
-        sequence_parallel: ``--sequence-parallel``.
-        fp8_recipe: ``--fp8-recipe`` when FP8 is on (``--fp8-format`` given), else ``None``.
-    """
-    problems = []
-    if config.column_chunks > 1:
-        problems.append(
-            "--domino-column-chunks > 1 needs Megatron's local linears (a TE linear multiplies "
-            "by its whole weight, so its output cannot be split into pieces); use "
-            "--domino-column-chunks 1 with --transformer-impl transformer_engine"
-        )
-    if not sequence_parallel and config.backward_overlap:
-        problems.append(
-            "without --sequence-parallel, TE's fused norm + column-parallel linear keeps its "
-            "input-gradient all-reduce inside its backward (overlapped with its own "
-            "weight-gradient GEMM, as in stock Megatron), so Domino's cross-chunk backward "
-            "overlap cannot apply: add --no-domino-backward-overlap, or --sequence-parallel "
-            "(under which Domino overlaps the backward collectives too)"
-        )
-    if fp8_recipe is not None and str(fp8_recipe) != "delayed":
-        problems.append(
-            f"--fp8-recipe {fp8_recipe} computes scales from each call's own data, so every "
-            "chunk would be quantized with a different scale than the whole micro-batch "
-            "(not validated against stock Megatron); use --fp8-recipe delayed, whose scales "
-            "come from the amax history and are updated once per micro-batch as in stock"
-        )
-    return problems
+__all__ = ["TE_ROW", "te_column_parallel_forward", "te_row_partial"]
 
 
 @contextlib.contextmanager
@@ -177,17 +106,24 @@ def _domino_call_settings(module: torch.nn.Module, *, own_collectives: bool) -> 
         ) = saved
 
 
-def te_row_partial(module: torch.nn.Module, input_: torch.Tensor):
+def te_row_partial(module: torch.nn.Module, input_: torch.Tensor, piece: int, pieces: int):
     """This rank's partial sum of a TE row-parallel linear, before any collective.
+
+    A TE linear multiplies by its whole weight, so there is one piece (``--domino-column-chunks
+    > 1`` is refused with TE layers).
 
     Args:
         input_: ``[s, b/p, n/tp]``, this rank's slice of the attention context or MLP activation.
     Returns:
-        ``(partial [s, b/p, h], bias-or-None)``: the bias is returned, not added (the
-        integration refuses TE row linears that would add it before the reduction).
+        ``(partial [s, b/p, h], bias-or-None)``: the bias is returned, not added (Domino
+        refuses TE row linears that would add it before the reduction).
     """
     with _domino_call_settings(module, own_collectives=False):
         return type(module).forward(module, input_)
+
+
+#: Transformer Engine's row-parallel linear (``TERowParallelLinear``): its bias is returned.
+TE_ROW = RowGemm(partial=te_row_partial, bias_after_reduce=lambda module: None)
 
 
 def te_column_parallel_forward(

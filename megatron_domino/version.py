@@ -1,4 +1,5 @@
-"""The one place that decides which Megatron-Core releases megatron-domino runs on.
+"""The one place that decides which Megatron-Core (and Transformer Engine) releases Domino
+runs on.
 
 Domino re-sequences the submodule calls of Megatron-Core's ``TransformerLayer`` and takes
 over the collectives of its tensor-parallel linears, so it depends on the call structure of
@@ -10,6 +11,8 @@ The version judged is the one of the ``megatron.core`` that Python imports
 (``megatron.core.package_info.__version__``), not the installed ``megatron-core``
 distribution's metadata: Megatron-LM users put a checkout on ``PYTHONPATH``, and then the
 code that runs is the checkout's, whatever wheel is installed beside it.
+
+Transformer Engine is checked only where its layers are used (:func:`check_transformer_engine_version`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,11 @@ PINNED_MEGATRON_CORE = "0.19.2"
 
 #: The last megatron-domino commit that supported megatron-core 0.16.x on Python 3.11.
 LAST_COMMIT_FOR_MEGATRON_CORE_0_16 = "53915d8"
+
+
+#: Oldest Transformer Engine whose linears read ``parallel_mode`` and ``sequence_parallel`` at
+#: call time (read from TE's source, 1.13 and 2.x; no TE version has been run with Domino yet).
+TE_MIN_VERSION = Version("1.13.0")
 
 
 class UnsupportedMegatronVersion(RuntimeError):
@@ -76,3 +84,28 @@ def check_megatron_core_version(found: Version | None = None) -> Version:
             f"megatron-domino at commit {LAST_COMMIT_FOR_MEGATRON_CORE_0_16}."
         )
     return found
+
+
+def check_transformer_engine_version() -> None:
+    """Raise unless the installed Transformer Engine is at least :data:`TE_MIN_VERSION`.
+
+    Without TE nothing is checked: Megatron's TE layers cannot be built then. (Megatron-Core
+    0.19's ``get_te_version`` reports ``0.0.0`` when TE does not import, hence ``HAVE_TE``.)
+
+    Raises:
+        DominoUnsupportedError: an older TE.
+    """
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+    from megatron.core.utils import get_te_version
+
+    from megatron_domino.config import DominoUnsupportedError
+
+    if not HAVE_TE:
+        return
+    found = get_te_version()
+    if found < TE_MIN_VERSION:
+        raise DominoUnsupportedError(
+            f"Domino needs Transformer Engine >= {TE_MIN_VERSION} (its linears must read "
+            f"parallel_mode per call); found {found}. Upgrade transformer-engine, or use "
+            "--transformer-impl local."
+        )

@@ -49,7 +49,7 @@ MLM = pathlib.Path(os.environ.get("MLM", ".")).resolve()
 SCRIPT = MLM / "pretrain_gpt.py"
 
 #: What Megatron-LM defaults to on a GPU and this machine cannot run, each replaced by the
-#: flag that says so (``tests/launch.py`` gives the reason for each).
+#: flag that says so (``megatron_domino/training/runs.py`` gives the reason for each).
 CPU_FLAGS = [
     "--distributed-backend", "gloo", "--transformer-impl", "local", "--no-persist-layer-norm",
     "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
@@ -158,7 +158,7 @@ def _build(extra: list[str]):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.training import get_args, global_vars
 
-    from megatron_domino.cpu_runtime import Patch
+    from megatron_domino.harness.patch import Patch
 
     captured = {}
 
@@ -242,7 +242,7 @@ def build_on_rank(domino_runs: bool) -> dict:
 
 def part_build(domino_runs: bool) -> None:
     print("2. build: the patched __main__ up to pretrain(), GPTModelBuilder, two gloo ranks")
-    from megatron_domino.ranks import run_ranks
+    from megatron_domino.harness.ranks import run_ranks
 
     reports = run_ranks(
         "__main__:build_on_rank", 2, device="cpu", args=(domino_runs,), timeout_s=600
@@ -333,9 +333,9 @@ def part_train(domino_runs: bool) -> None:
             all(r["tp_size"] == 2 and r["domino_bound"] is False for r in stock),
         )
         check(
-            "without --domino: neither megatron_domino.megatron_lm nor .integration imported",
+            "without --domino: neither megatron_domino.megatron_lm nor .apply imported",
             not any(
-                {"megatron_domino.megatron_lm", "megatron_domino.integration"}
+                {"megatron_domino.megatron_lm", "megatron_domino.apply"}
                 & set(r["megatron_domino_modules"])
                 for r in stock
             ),

@@ -3,16 +3,18 @@
 The training tests go through the real command line (torchrun, the entry script and its
 ``__main__`` guard, which ``dist_checkpointing``'s spawned writer depends on, Megatron-LM's
 own argument parser and ``pretrain()``) rather than calling the loop in-process, so they
-exercise what a user runs.
+exercise what a user runs. The CPU flags and the log format are
+:mod:`megatron_domino.training.runs`'.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from megatron_domino.training.runs import cpu_flags, read_records
 
 SCRIPT = Path(__file__).resolve().parent.parent / "pretrain_gpt_domino.py"
 
@@ -20,23 +22,9 @@ SCRIPT = Path(__file__).resolve().parent.parent / "pretrain_gpt_domino.py"
 #: steps and checkpointed.
 TIMEOUT_S = 300
 
-#: Megatron-LM's GPU defaults this machine cannot run, each replaced by the flag that says
-#: so; nothing else is changed (Megatron's other fusions run on the CPU).
-CPU_FLAGS = {
-    "--distributed-backend gloo": "NCCL needs a GPU",
-    "--transformer-impl local": "Transformer Engine needs CUDA (it is not installed here)",
-    "--no-persist-layer-norm": "the persistent LayerNorm is Apex's CUDA kernel; the torch "
-    "norm Megatron falls back to refuses it",
-    "--no-gradient-accumulation-fusion": "fused weight-gradient accumulation is Apex's CUDA "
-    "extension (fused_weight_gradient_mlp_cuda)",
-    "--no-masked-softmax-fusion": "in fp16/bf16 the fused softmax is a CUDA extension "
-    "(scaled_masked_softmax_cuda); fp32 never uses it",
-    "--no-rope-fusion": "the fused rotary embedding is Transformer Engine's (with RoPE only)",
-}
-
 #: A two-layer GPT small enough for a few CPU steps per second, as CPU flags.
 TINY_GPT = [
-    *" ".join(CPU_FLAGS).split(),
+    *cpu_flags(),
     *(
         "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 4 "
@@ -72,8 +60,7 @@ def run_pretrain(
 
 def records(log_json: Path, kind: str) -> dict[int, dict]:
     """The ``--log-json`` records of ``kind`` (``train``, ``validation``, ...) by iteration."""
-    lines = [json.loads(line) for line in log_json.read_text().splitlines()]
-    return {r["iteration"]: r for r in lines if r["kind"] == kind}
+    return {r["iteration"]: r for r in read_records(log_json, kind)}
 
 
 def train_records(log_json: Path) -> dict[int, dict]:

@@ -66,7 +66,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from megatron_domino.norms import SequenceParallelTorchNorm
+from megatron_domino.harness.norms import SequenceParallelTorchNorm
 
 #: How many fp8_autocast stand-ins are open (see ``tests/test_te_linears.py``).
 FP8_CONTEXT_DEPTH = [0]

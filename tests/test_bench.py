@@ -12,32 +12,46 @@ import math
 from multiproc import run_on_ranks
 from tiny_models import TINY
 
-from megatron_domino.bench.metrics import ROW_FIELDS, setting_rows
-from megatron_domino.bench.report import write_artefacts
+from megatron_domino.harness.settings import setting
+from megatron_domino.tools.bench.metrics import ROW_FIELDS, auto_check, setting_rows
+from megatron_domino.tools.bench.report import write_artefacts
 
 CASE = {
     "tensor_model_parallel_size": 2,
     "micro_batch_size": 4,
     "model": dict(num_layers=2, **TINY, num_attention_heads=4),
-    "domino": {"p2": {"chunks": 2}, "p1-k2": {"chunks": 1, "column_chunks": 2}},
+    "domino": {name: setting(name).fields for name in ("p2", "p1-k2")},
 }
 
 
 def _run_case() -> dict:
-    from megatron_domino.bench.worker import run_case
+    from megatron_domino.tools.bench.worker import run_case
 
     return run_case(CASE, iters=2, warmup=1)
 
 
 def test_worker_metrics_and_artefacts(tmp_path):
     result = {"case": CASE, **run_on_ranks(_run_case, 2)[0]}
-    expected_arms = {"baseline", "oracle"} | {
-        f"{kind}[{s}]" for kind in ("domino", "domino_noop") for s in CASE["domino"]
+    expected_arms = {"baseline", "oracle", "comm_only[baseline]"} | {
+        f"{kind}[{s}]" for kind in ("domino", "domino_noop", "comm_only") for s in CASE["domino"]
     }
     assert set(result["arms"]) == expected_arms
     for arm in result["arms"].values():
         for part in ("fwd", "bwd", "total"):
             assert arm[part]["min_s"] <= arm[part]["median_s"] <= arm[part]["max_s"]
+
+    # The comm-only arm replays what each arm sent: p2 moves the baseline's bytes in two calls
+    # where the baseline makes one per layer collective (2 per layer and phase).
+    layer_collectives = 2 * CASE["model"]["num_layers"]
+    for phase in ("fwd", "bwd"):
+        base, p2 = result["collectives"]["baseline"][phase], result["collectives"]["p2"][phase]
+        assert base["count"] > layer_collectives
+        assert p2 == {"count": base["count"] + layer_collectives, "bytes": base["bytes"]}
+
+    # --domino-chunks auto picked one of the settings; the check compares it with the arms.
+    auto = auto_check(result)
+    assert auto["choice"] in CASE["domino"] and auto["fastest"] in CASE["domino"]
+    assert set(auto["medians_s"]) == set(CASE["domino"]) and auto["ratio"] >= 1.0
 
     rows = setting_rows(result)
     assert [row["setting"] for row in rows] == ["p2", "p1-k2"]
@@ -47,6 +61,7 @@ def test_worker_metrics_and_artefacts(tmp_path):
             math.isfinite(row[f])
             for f in ("comm_share", "speedup", "chunk_overhead", "peak_mem_ratio")
         )
+        assert row["comm_only_fwd_s"] > 0 and row["comm_only_bwd_s"] > 0
     # Chunking keeps the same activations: the saved-for-backward bytes barely move.
     assert 0.9 < rows[0]["peak_mem_ratio"] < 1.2
 
@@ -58,10 +73,13 @@ def test_worker_metrics_and_artefacts(tmp_path):
         "rows": rows,
         "timelines": result["timelines"],
         "peak_memory_bytes": result["peak_memory_bytes"],
+        "collectives": result["collectives"],
+        "auto": auto,
     }
     written = write_artefacts(tmp_path, {"commit": "test", "cases": [case]})
     latest = json.loads((tmp_path / "latest.json").read_text())
     assert latest["cases"][0]["rows"][0]["setting"] == "p2"
     table = (tmp_path / "table.md").read_text()
     assert "| tiny | p2 | 2 | 2 | 1 | plain loopback |" in table
+    assert f"| tiny | {auto['choice']} | {auto['fastest']} | {auto['ratio']:.3f} |" in table
     assert all(path.exists() for path in written)

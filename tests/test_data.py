@@ -29,12 +29,12 @@ from megatron_domino.data.files import DataFileError
 from megatron_domino.data.prepare import (
     DATA_PREFIX_NAME,
     MANIFEST_FILE,
-    RESERVED_PIECES,
     SentencePieceSettings,
     SettingsError,
     main,
     prepare,
 )
+from megatron_domino.data.tokenizer import RESERVED_PIECES
 
 SMALL = SentencePieceSettings(vocab_size=400, input_sentence_size=20_000)
 

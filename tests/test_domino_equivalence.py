@@ -6,12 +6,12 @@ reference), then with Domino applied for each setting in :data:`SETTINGS`, then 
 the reference, checks that no forward or backward collective is left pending, and that the
 reverted model reproduces the reference bit for bit.
 
-The comparison is :func:`megatron_domino.equivalence.compare_with_stock`, shared with the GPU
+The comparison is :func:`megatron_domino.analysis.equivalence.compare_with_stock`, shared with the GPU
 check. fp32: element-wise against stock, ``atol = 1e-6, rtol = 1e-5`` (only the order of
 floating-point sums changes; measured differences are below 1e-7). bf16: stock and Domino are
 both measured against an fp32 reference with the same weights, and Domino's norm-relative
 error on the loss and on each gradient must stay within 1.5 x stock's own
-(:data:`megatron_domino.equivalence.BF16_BOUND`); a broken Domino gradient must fail that
+(:data:`megatron_domino.analysis.equivalence.BF16_BOUND`); a broken Domino gradient must fail that
 (:func:`test_a_broken_bf16_gradient_fails_the_check`). A schedule bug (a chunk's output added to
 the wrong residual, a missing piece) gives differences of the order of the values themselves.
 """
@@ -25,8 +25,7 @@ import torch
 from multiproc import run_on_ranks
 from tiny_models import LLAMA_STYLE, TINY
 
-from megatron_domino.config import DominoConfig
-from megatron_domino.equivalence import (
+from megatron_domino.analysis.equivalence import (
     compare_with_stock,
     forward_backward,
     fp32_reference_model,
@@ -34,8 +33,10 @@ from megatron_domino.equivalence import (
     tolerance_for,
     worst_gradient_error,
 )
-from megatron_domino.gpt_model import GPTOptions, build_gpt_model
-from megatron_domino.integration import apply_domino
+from megatron_domino.apply import apply_domino
+from megatron_domino.config import DominoConfig
+from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
+from megatron_domino.harness.settings import domino_configs
 
 MICRO_BATCH = 4
 
@@ -53,14 +54,7 @@ MODELS["rmsnorm-swiglu-rope-gqa-nobias-bf16"] = dataclasses.replace(
     MODELS["rmsnorm-swiglu-rope-gqa-nobias"], bf16=True
 )
 
-SETTINGS = {
-    "p2": dict(chunks=2),
-    "p4": dict(chunks=4),
-    "p1-k2": dict(chunks=1, column_chunks=2),
-    "p2-k4": dict(chunks=2, column_chunks=4),
-    "p2-intra-layer": dict(chunks=2, inter_layer=False),
-    "p2-no-backward-overlap": dict(chunks=2, backward_overlap=False),
-}
+SETTINGS = domino_configs("p2", "p4", "p1-k2", "p2-k4", "p2-intra-layer", "p2-no-backward-overlap")
 
 
 def _compare_settings(model_names: list[str], setting_names: list[str]) -> dict:
@@ -68,7 +62,7 @@ def _compare_settings(model_names: list[str], setting_names: list[str]) -> dict:
     report = {}
     for model_name in model_names:
         options = MODELS[model_name]
-        configs = {name: DominoConfig(**SETTINGS[name]) for name in setting_names}
+        configs = {name: SETTINGS[name] for name in setting_names}
         model = build_gpt_model(options)
         comparison = compare_with_stock(
             model,
@@ -90,7 +84,7 @@ def test_every_setting_matches_stock_megatron_at_tp2():
     )
     for (model_name, setting), (row, stock_errors) in reports[0].items():
         # Two linears with an input-gradient all-reduce per layer and chunk.
-        chunks = SETTINGS[setting].get("chunks", 2)
+        chunks = SETTINGS[setting].chunks
         expected = 0 if setting == "p2-no-backward-overlap" else 2 * LAYERS * chunks
         assert row.dgrad_slots == expected, (model_name, setting)
         if stock_errors:  # bf16: the norm-relative errors against fp32 were measured

@@ -1,6 +1,6 @@
 """Domino with Megatron-LM's sharded data parallelism and meta-device initialisation.
 
-* **Fully sharded data parallelism is refused** (:func:`megatron_domino.integration.fsdp_problems`):
+* **Fully sharded data parallelism is refused** (:func:`megatron_domino.apply.fsdp_problems`):
   FSDP gathers each layer's parameters in hooks on the ``TransformerLayer`` module, which
   Domino never calls. Checked with PyTorch's own ``fully_shard`` (FSDP2, on a CPU mesh over the
   data-parallel group) applied after Domino (the first forward refuses; without the check it
@@ -21,10 +21,15 @@ import torch
 from multiproc import run_on_ranks
 from tiny_models import LLAMA_STYLE
 
+from megatron_domino.analysis.equivalence import (
+    TOLERANCES,
+    forward_backward,
+    mismatches,
+    token_batch,
+)
+from megatron_domino.apply import apply_domino
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
-from megatron_domino.equivalence import TOLERANCES, forward_backward, mismatches, token_batch
-from megatron_domino.gpt_model import GPTOptions, build_gpt_model
-from megatron_domino.integration import apply_domino
+from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
 
 OPTIONS = GPTOptions(num_layers=2, **LLAMA_STYLE)
 CONFIG = DominoConfig(chunks=2)

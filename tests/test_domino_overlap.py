@@ -20,23 +20,16 @@ import pytest
 from multiproc import run_on_ranks
 from tiny_models import TINY
 
-from megatron_domino.config import DominoConfig
-from megatron_domino.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
-from megatron_domino.integration import apply_domino
-from megatron_domino.overlap import collective_spans
+from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
+from megatron_domino.analysis.spans import collective_spans
+from megatron_domino.apply import apply_domino
+from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
+from megatron_domino.harness.settings import domino_configs
 from megatron_domino.recorder import BEGIN, EventRecorder
-from megatron_domino.schedule_checks import count_mismatches, overlap_violations
 
 LAYERS = 3
 OPTIONS = GPTOptions(num_layers=LAYERS, **TINY, num_attention_heads=4)
-SETTINGS = {
-    "p2": dict(chunks=2),
-    "p4": dict(chunks=4),
-    "p2-k2": dict(chunks=2, column_chunks=2),
-    "p1-k2": dict(chunks=1, column_chunks=2),
-    "p2-intra-layer": dict(chunks=2, inter_layer=False),
-    "p2-no-backward-overlap": dict(chunks=2, backward_overlap=False),
-}
+SETTINGS = domino_configs("p2", "p4", "p2-k2", "p1-k2", "p2-intra-layer", "p2-no-backward-overlap")
 
 
 def _record_steps() -> dict:
@@ -55,9 +48,9 @@ def _record_steps() -> dict:
         labels=tokens,
     )
     recorded = {}
-    for name, settings in SETTINGS.items():
+    for name, config in SETTINGS.items():
         recorder = EventRecorder()
-        with apply_domino(model, DominoConfig(**settings), recorder=recorder) as handle:
+        with apply_domino(model, config, recorder=recorder) as handle:
             loss = model(**batch).mean()
             pending_after_forward = (
                 len(handle.runtime.last_step.pending_forward),
@@ -81,7 +74,7 @@ def recorded():
 @pytest.mark.parametrize("name", sorted(SETTINGS))
 def test_collective_counts_and_nothing_pending(recorded, name):
     spans = collective_spans(recorded[name]["events"])
-    config = DominoConfig(**SETTINGS[name])
+    config = SETTINGS[name]
     assert not count_mismatches(spans, config, num_layers=LAYERS, sequence_parallel=False)
     assert recorded[name]["after_forward"] == (0, 0)
     assert recorded[name]["after_backward"] == 0
@@ -90,7 +83,7 @@ def test_collective_counts_and_nothing_pending(recorded, name):
 @pytest.mark.parametrize("name", ["p2", "p4", "p2-k2"])
 def test_every_collective_but_the_last_overlaps_other_chunks_compute(recorded, name):
     spans = collective_spans(recorded[name]["events"])
-    violations = overlap_violations(spans, DominoConfig(**SETTINGS[name]), sequence_parallel=False)
+    violations = overlap_violations(spans, SETTINGS[name], sequence_parallel=False)
     assert not violations, violations[:3]
 
 
@@ -98,9 +91,7 @@ def test_column_pieces_overlap_the_next_piece_at_one_chunk(recorded):
     """At p = 1 the column split is the only overlap: piece 0 flies during piece 1's GEMM."""
     spans = collective_spans(recorded["p1-k2"]["events"])
     assert any(s.piece == 0 for s in spans)
-    violations = overlap_violations(
-        spans, DominoConfig(**SETTINGS["p1-k2"]), sequence_parallel=False
-    )
+    violations = overlap_violations(spans, SETTINGS["p1-k2"], sequence_parallel=False)
     assert not violations, violations[:3]
 
 

@@ -1,14 +1,14 @@
 """Domino under sequence parallelism computes what Megatron-Core's sequence parallelism does.
 
 Each rank builds one TP = 2 model with ``--sequence-parallel`` (residual stream ``[s/tp, b, h]``,
-norms from :mod:`megatron_domino.norms`), runs a forward and backward with the stock block,
+norms from :mod:`megatron_domino.harness.norms`), runs a forward and backward with the stock block,
 then with Domino for each setting, and compares the per-token loss and every parameter's
 gradient (the norms' gradients are this rank's partial sums in both runs). The recorder must
 show, per layer and chunk, an all-gather before each column-parallel linear and a
 reduce-scatter after each row-parallel one (``k`` of them with column pieces), each matched in
 backward, and nothing left in flight.
 
-Tolerances: :data:`megatron_domino.equivalence.TOLERANCES` (fp32 ``atol = 1e-6, rtol = 1e-5``);
+Tolerances: :data:`megatron_domino.analysis.equivalence.TOLERANCES` (fp32 ``atol = 1e-6, rtol = 1e-5``);
 only the order of floating-point sums changes (measured differences are below 1e-7).
 """
 
@@ -18,19 +18,20 @@ import pytest
 from multiproc import run_on_ranks
 from tiny_models import LLAMA_STYLE, TINY
 
-from megatron_domino.config import DominoConfig, DominoUnsupportedError
-from megatron_domino.equivalence import (
+from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
+from megatron_domino.analysis.equivalence import (
     forward_backward,
     max_abs_error,
     mismatches,
     token_batch,
     tolerance_for,
 )
-from megatron_domino.gpt_model import GPTOptions, build_gpt_model
-from megatron_domino.integration import apply_domino
-from megatron_domino.overlap import collective_spans
+from megatron_domino.analysis.spans import collective_spans
+from megatron_domino.apply import apply_domino
+from megatron_domino.config import DominoConfig, DominoUnsupportedError
+from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
+from megatron_domino.harness.settings import domino_configs
 from megatron_domino.recorder import EventRecorder
-from megatron_domino.schedule_checks import count_mismatches, overlap_violations
 
 LAYERS = 2
 MODELS = {
@@ -41,13 +42,8 @@ MODELS = {
         num_layers=LAYERS, **LLAMA_STYLE, add_bias_linear=False, sequence_parallel=True
     ),
 }
-SETTINGS = {
-    "p2": dict(chunks=2),
-    "p4": dict(chunks=4),
-    "p2-k2": dict(chunks=2, column_chunks=2),
-    "p1-k2": dict(chunks=1, column_chunks=2),
-    "p2-intra-layer": dict(chunks=2, inter_layer=False),
-}
+#: Domino settings on the sequence-parallel models (names: megatron_domino.harness.settings).
+SETTINGS = domino_configs("p2", "p4", "p2-k2", "p1-k2", "p2-intra-layer")
 
 
 def _compare() -> dict:
@@ -57,9 +53,9 @@ def _compare() -> dict:
         model = build_gpt_model(options)
         batch = token_batch(options, 4)
         reference = forward_backward(model, batch)
-        for setting, kwargs in SETTINGS.items():
+        for setting, config in SETTINGS.items():
             recorder = EventRecorder()
-            with apply_domino(model, DominoConfig(**kwargs), recorder=recorder) as handle:
+            with apply_domino(model, config, recorder=recorder) as handle:
                 result = forward_backward(model, batch)
                 step = handle.runtime.last_step
                 assert not step.pending_forward and not step.pending_backward
@@ -79,7 +75,7 @@ def spans():
 def test_collectives_match_the_schedule(spans, setting):
     """Per layer and chunk: two gathers (QKV, fc1 inputs), two reduce-scatters of k pieces,
     each matched in backward (the gather's twin scatters dX, the scatter's twin gathers dY)."""
-    config = DominoConfig(**SETTINGS[setting])
+    config = SETTINGS[setting]
     for model_name in MODELS:
         wrong = count_mismatches(
             spans[(model_name, setting)], config, num_layers=LAYERS, sequence_parallel=True
@@ -94,7 +90,7 @@ def test_collectives_overlap_other_chunks_work(spans, setting):
     The first forward all-gather (layer 0, chunk 0) has nothing to hide behind: no other chunk
     has started; its backward twin is the last collective of the backward.
     """
-    config = DominoConfig(**SETTINGS[setting])
+    config = SETTINGS[setting]
     for model_name in MODELS:
         violations = overlap_violations(
             spans[(model_name, setting)], config, sequence_parallel=True

@@ -2,7 +2,7 @@
 
 Each rank builds one TP = 2 model per family, runs a forward and backward with the stock block
 at micro-batch 1 and 2, then with Domino splitting the sequence for each setting, and compares
-the per-token loss and every gradient (:func:`megatron_domino.equivalence.compare_with_stock`,
+the per-token loss and every gradient (:func:`megatron_domino.analysis.equivalence.compare_with_stock`,
 fp32 ``atol = 1e-6, rtol = 1e-5``). Learned absolute positions (added before the block) and
 rotary embeddings (sliced per chunk inside it) are both covered, as is grouped-query attention
 (earlier chunks' keys are concatenated before the key/value heads are expanded).
@@ -35,8 +35,8 @@ from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
 from multiproc import run_on_ranks
 from tiny_models import LLAMA_STYLE, TINY
 
-from megatron_domino.config import DominoConfig
-from megatron_domino.equivalence import (
+from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
+from megatron_domino.analysis.equivalence import (
     compare_with_stock,
     forward_backward,
     fp32_reference_model,
@@ -45,30 +45,19 @@ from megatron_domino.equivalence import (
     token_batch,
     tolerance_for,
 )
-from megatron_domino.gpt_model import GPTOptions, build_gpt_model
-from megatron_domino.integration import apply_domino
-from megatron_domino.overlap import collective_spans
+from megatron_domino.analysis.spans import collective_spans
+from megatron_domino.apply import apply_domino
+from megatron_domino.config import DominoConfig
+from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
+from megatron_domino.harness.settings import domino_configs
 from megatron_domino.recorder import EventRecorder
-from megatron_domino.schedule_checks import count_mismatches, overlap_violations
 
 LAYERS = 2
 MODELS = {
     "layernorm-gelu-learned": GPTOptions(num_layers=LAYERS, **TINY, num_attention_heads=4),
     "rmsnorm-swiglu-rope-gqa": GPTOptions(num_layers=LAYERS, **LLAMA_STYLE),
 }
-SETTINGS = {
-    "p2": dict(chunks=2),
-    "p4": dict(chunks=4),
-    "p2-k2": dict(chunks=2, column_chunks=2),
-    "p2-intra-layer": dict(chunks=2, inter_layer=False),
-    "p2-no-backward-overlap": dict(chunks=2, backward_overlap=False),
-}
-
-
-def _configs() -> dict[str, DominoConfig]:
-    return {
-        name: DominoConfig(split_along="sequence", **kwargs) for name, kwargs in SETTINGS.items()
-    }
+SETTINGS = domino_configs("s2", "s4", "s2-k2", "s2-intra-layer", "s2-no-backward-overlap")
 
 
 def _compare(micro_batch: int) -> dict:
@@ -76,7 +65,7 @@ def _compare(micro_batch: int) -> dict:
     for model_name, options in MODELS.items():
         model = build_gpt_model(options)
         comparison = compare_with_stock(
-            model, token_batch(options, micro_batch), _configs(), tolerance_for(options)
+            model, token_batch(options, micro_batch), SETTINGS, tolerance_for(options)
         )
         assert comparison.reverted
         for setting, result in comparison.settings.items():
@@ -96,7 +85,7 @@ def _spans() -> dict:
     model = build_gpt_model(options)
     batch = token_batch(options, 1)
     spans = {}
-    for setting, config in _configs().items():
+    for setting, config in SETTINGS.items():
         recorder = EventRecorder()
         with apply_domino(model, config, recorder=recorder):
             model(**batch).float().mean().backward()
@@ -106,7 +95,7 @@ def _spans() -> dict:
 
 def test_collectives_match_the_schedule_and_overlap():
     spans = run_on_ranks(_spans, 2)[0]
-    for setting, config in _configs().items():
+    for setting, config in SETTINGS.items():
         wrong = count_mismatches(spans[setting], config, num_layers=LAYERS, sequence_parallel=False)
         assert not wrong, (setting, wrong)
         if config.inter_layer:
@@ -130,7 +119,7 @@ def test_a_missing_mask_means_causal():
     assert run_on_ranks(_without_a_mask, 2)[0] == 0.0
 
 
-SP_SETTINGS = {"p2": dict(chunks=2), "p4": dict(chunks=4)}
+SP_SETTINGS = domino_configs("sp-s2", "sp-s4")
 
 
 def _compare_under_sequence_parallelism() -> dict:
@@ -139,8 +128,7 @@ def _compare_under_sequence_parallelism() -> dict:
     batch = token_batch(options, 1)
     reference = forward_backward(model, batch, finalize_sequence_parallel=True)
     found = {}
-    for setting, kwargs in SP_SETTINGS.items():
-        config = DominoConfig(split_along="sequence", **kwargs)
+    for setting, config in SP_SETTINGS.items():
         recorder = EventRecorder()
         with apply_domino(model, config, recorder=recorder) as handle:
             result = forward_backward(model, batch, finalize_sequence_parallel=True)
@@ -206,7 +194,7 @@ def _under_fused_softmax() -> dict:
     for softmax in softmaxes:  # built off on the CPU, where the kernels do not exist
         softmax.scaled_masked_softmax_fusion = True
     batch = token_batch(options, 1)
-    configs = {f"p{p}": DominoConfig(chunks=p, split_along="sequence") for p in (2, 4)}
+    configs = domino_configs("s2", "s4")
     found = {}
     with fused_softmax_stand_in.installed():
         comparison = compare_with_stock(
@@ -225,18 +213,18 @@ def _under_fused_softmax() -> dict:
             for name, found_calls in calls.items()
         }
         found["causal_rows"] = all(
-            torch.equal(c.mask, _bottom_right_causal(c.sq, c.sk)) for c in calls["p2"]
+            torch.equal(c.mask, _bottom_right_causal(c.sq, c.sk)) for c in calls["s2"]
         )
         # The stock fused kernel ignores a document mask (causal only): so must the chunks.
         documents = {**batch, "attention_mask": _document_mask(options.seq_length)}
-        fused = _softmax_calls(model, documents, configs["p2"])
+        fused = _softmax_calls(model, documents, configs["s2"])
         found["documents_fused"] = [
             torch.equal(c.mask, _bottom_right_causal(c.sq, c.sk)) for c in fused
         ]
         # Without the fusion stock's torch softmax applies it: so do the chunks, row for row.
         for softmax in softmaxes:
             softmax.scaled_masked_softmax_fusion = False
-        unfused = _softmax_calls(model, documents, configs["p2"])
+        unfused = _softmax_calls(model, documents, configs["s2"])
         rows = [
             documents["attention_mask"][..., c * 32 : (c + 1) * 32, : (c + 1) * 32] for c in (0, 1)
         ]
@@ -252,12 +240,12 @@ def test_fused_softmax_runs_the_masked_kernel_with_each_chunks_rows():
     its causal rows, never the square-only causal kernel on sq != sk (which asserts, and under
     python -O would mask the wrong keys), and matches stock within the bf16 bound."""
     found = run_on_ranks(_under_fused_softmax, 2)[0]
-    assert found["passed"] == {"p2": True, "p4": True}, found["mismatches"][:3]
+    assert found["passed"] == {"s2": True, "s4": True}, found["mismatches"][:3]
     per_layer = {
         "stock": [("upper_triang", 64, 64)],
-        "p2": [("masked", 32, 32), ("masked", 32, 64)],
+        "s2": [("masked", 32, 32), ("masked", 32, 64)],
         # chunk 0's 16 keys are too few for the kernel (it needs 16 < sk): the torch softmax.
-        "p4": [("torch", 16, 16), ("masked", 16, 32), ("masked", 16, 48), ("masked", 16, 64)],
+        "s4": [("torch", 16, 16), ("masked", 16, 32), ("masked", 16, 48), ("masked", 16, 64)],
     }
     assert found["kernels"] == {name: calls * LAYERS for name, calls in per_layer.items()}
     assert found["causal_rows"]

@@ -26,9 +26,13 @@ Cases (tiny GPT: 2 layers, hidden 64, 4 heads, sequence 32):
   Domino ``--domino-chunks 4``.
 * ``tp2-ddp-accumulation-bf16``: the first case with ``--bf16``.
 * ``tp2-sp-sequence-split-mb1``: TP = 2, micro-batch 1 (4 accumulation steps),
-  ``--sequence-parallel`` (the local spec with SP-capable norms, ``megatron_domino.cpu_specs``),
+  ``--sequence-parallel`` (the local spec with SP-capable norms, ``megatron_domino.harness.cpu_specs``),
   the RMSNorm/SwiGLU/RoPE/GQA model; Domino ``--domino-split sequence --domino-chunks 4``
   (chunk-major layout; the norms' gradients summed by Megatron's ``finalize_model_grads``).
+* ``tp2-auto``: the first case with ``--domino-chunks auto --domino-auto-iters 1``: the
+  tuner runs 7 candidates (p2, p2-k2, p4, p4-k2, p1-k2, s2, s4) for a warm-up and a measured
+  iteration each, switching the setting between optimizer steps (iterations 1-14), then its
+  choice; every iteration must still match the baseline, and the choice is logged.
 * ``tp2-pp2``: TP = 2 x PP = 2 (4 ranks, one layer per stage), Megatron-Core's 1F1B schedule
   over 3 micro-batches of 4, the RMSNorm/SwiGLU/RoPE/GQA model; Domino ``--domino-chunks 2``.
 
@@ -55,7 +59,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from launch import CPU_FLAGS, run_pretrain, train_records
+from launch import records, run_pretrain, train_records
+
+from megatron_domino.training.runs import cpu_flags
 
 pytestmark = pytest.mark.slow
 
@@ -63,7 +69,7 @@ TRAIN_ITERS = 20
 
 #: Shared by every case and both arms: model size, schedule, data, no dropout.
 COMMON = [
-    *" ".join(CPU_FLAGS).split(),
+    *cpu_flags(),
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
     "--seq-length", "32", "--max-position-embeddings", "32",
     "--tensor-model-parallel-size", "2",
@@ -95,9 +101,19 @@ class Case:
     rtol: dict[str, float]
     """Largest relative difference allowed, by ``--log-json`` key."""
     split_along: str = "batch"
+    auto_iters: int | None = None
+    """``--domino-auto-iters`` with ``--domino-chunks auto`` (``chunks`` etc. then unused)."""
 
     @property
     def domino_flags(self) -> list[str]:
+        if self.auto_iters is not None:
+            return [
+                "--domino",
+                "--domino-chunks",
+                "auto",
+                "--domino-auto-iters",
+                str(self.auto_iters),
+            ]
         return [
             "--domino",
             "--domino-chunks", str(self.chunks),
@@ -139,10 +155,15 @@ CASES = {
         nproc=2,
         flags=[
             *MODERN_MODEL, "--micro-batch-size", "1", "--global-batch-size", "4",
-            "--sequence-parallel", "--spec", "megatron_domino.cpu_specs",
+            "--sequence-parallel", "--spec", "megatron_domino.harness.cpu_specs",
             "sequence_parallel_local_spec",
         ],
         chunks=4, column_chunks=1, rtol=FP32_RTOL, split_along="sequence",
+    ),
+    "tp2-auto": Case(
+        nproc=2,
+        flags=[*MODERN_MODEL, "--micro-batch-size", "4", "--global-batch-size", "8"],
+        chunks=0, column_chunks=0, rtol=FP32_RTOL, auto_iters=1,
     ),
     "tp2-pp2": Case(
         nproc=4,
@@ -184,17 +205,26 @@ def test_domino_training_matches_the_baseline(tmp_path, mock_data_cache, name):
     baseline, baseline_output = arm([], name="baseline")
     domino, domino_output = arm(case.domino_flags, name="domino")
     assert "> Domino: off" in baseline_output
-    banner = (
-        f"> Domino: DominoConfig(chunks={case.chunks}, column_chunks={case.column_chunks}, "
-        f"split_along='{case.split_along}',"
-    )
+    if case.auto_iters is None:
+        banner = (
+            f"> Domino: DominoConfig(chunks={case.chunks}, column_chunks={case.column_chunks}, "
+            f"split_along='{case.split_along}',"
+        )
+    else:
+        banner = "> Domino: AutoTuner(candidates=[p2, p2-k2, p4, p4-k2, p1-k2, s2, s4],"
+        (choice,) = records(tmp_path / "domino.jsonl", "domino_auto").values()
+        assert choice["iteration"] == 14 and set(choice["medians_s"]) == {
+            "p2", "p2-k2", "p4", "p4-k2", "p1-k2", "s2", "s4"
+        }  # fmt: skip
+        assert choice["medians_s"][choice["choice"]] == min(choice["medians_s"].values())
+        assert f"Domino auto: chose {choice['choice']} " in domino_output
     assert banner in domino_output
     iterations = list(range(1, TRAIN_ITERS + 1))
     assert sorted(baseline) == iterations and sorted(domino) == iterations
 
-    for records in (baseline, domino):
-        assert not any(r["skipped"] for r in records.values())
-        assert all(r["grad_norm"] is not None for r in records.values())
+    for arm_records in (baseline, domino):
+        assert not any(r["skipped"] for r in arm_records.values())
+        assert all(r["grad_norm"] is not None for r in arm_records.values())
     assert [domino[i]["learning_rate"] for i in iterations] == [
         baseline[i]["learning_rate"] for i in iterations
     ]

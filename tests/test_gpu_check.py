@@ -1,4 +1,4 @@
-"""``python -m megatron_domino.gpu_check``: its logic on the CPU, and the real check on a GPU.
+"""``python -m megatron_domino.tools.gpu_check``: its logic on the CPU, and the real check on a GPU.
 
 The GPU check cannot run here, so the CPU tests run the same code paths with
 ``--device cpu --quick`` (gloo, fp32, tiny shapes, wall clock) through the wrapper script, with
@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_domino.gpu_check import cli, gemm, parts, probe
-from megatron_domino.gpu_check.results import EXIT_STATUS, PartResult, verdict
+from megatron_domino.tools.gpu_check import cli, gemm, parts, probe
+from megatron_domino.tools.gpu_check.results import EXIT_STATUS, PartResult, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
 WRAPPER = ROOT / "scripts" / "gpu_check.sh"
@@ -174,7 +174,7 @@ def one_rank_group():
     """A world-size-1 gloo group in this process, destroyed afterwards."""
     import torch.distributed as dist
 
-    from megatron_domino.ranks import _free_port
+    from megatron_domino.harness.ranks import _free_port
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
@@ -193,7 +193,7 @@ def test_host_staging_shim_patches_megatron_too_and_restores_everything(one_rank
     import torch.distributed as dist
     from megatron.core.tensor_parallel import layers, mappings
 
-    from megatron_domino.gpu_check.host_staging import STAGEABLE, host_staged
+    from megatron_domino.tools.gpu_check.host_staging import STAGEABLE, host_staged
 
     assert STAGEABLE == probe.COLLECTIVES
     originals = {name: getattr(dist, name) for name in STAGEABLE}
@@ -290,19 +290,16 @@ def test_expected_counts_match_the_cpu_overlap_tests():
     import test_domino_overlap as overlap_test
     import test_domino_sequence_parallel as sp_test
 
-    from megatron_domino.config import DominoConfig
-    from megatron_domino.schedule_checks import expected_collective_counts
+    from megatron_domino.analysis.criteria import expected_collective_counts
 
-    for settings in overlap_test.SETTINGS.values():
-        config = DominoConfig(**settings)
+    for config in overlap_test.SETTINGS.values():
         want = expected_collective_counts(
             config, num_layers=overlap_test.LAYERS, sequence_parallel=False
         )
         p, k = config.chunks, config.column_chunks
         assert want["fwd", "ar"] == overlap_test.LAYERS * 2 * p * k
         assert want["bwd", "ar"] == (overlap_test.LAYERS * 2 * p if config.backward_overlap else 0)
-    for settings in sp_test.SETTINGS.values():
-        config = DominoConfig(**settings)
+    for config in sp_test.SETTINGS.values():
         want = expected_collective_counts(config, num_layers=sp_test.LAYERS, sequence_parallel=True)
         p, k = config.chunks, config.column_chunks
         assert want["fwd", "ag"] == want["bwd", "ag"] == sp_test.LAYERS * 2 * p

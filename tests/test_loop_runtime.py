@@ -10,7 +10,8 @@ import torch
 from megatron.core.datasets import utils as datasets_utils
 from megatron.training import training as megatron_training
 
-from megatron_domino.cpu_runtime import CpuRuntimeError, Patch, cpu_runtime_active
+from megatron_domino.harness.cpu_runtime import cpu_runtime_active
+from megatron_domino.harness.patch import Patch, PatchError
 from megatron_domino.training.loop_runtime import (
     CPU_LOOP_PATCHES,
     WHEEL_PATCHES,
@@ -36,5 +37,5 @@ def test_every_patch_applies_and_is_undone():
 
 def test_a_missing_attribute_fails_loudly():
     renamed = Patch(megatron_training, "initialize_megatron_v2", None, "a renamed function")
-    with pytest.raises(CpuRuntimeError, match="initialize_megatron_v2"), renamed.applied():
+    with pytest.raises(PatchError, match="initialize_megatron_v2"), renamed.applied():
         pass

@@ -1,4 +1,4 @@
-"""``python -m megatron_domino.loss_parity``: its flags, and a real baseline-vs-Domino run.
+"""``megatron-domino-loss-parity``: its flags, and a real baseline-vs-Domino run.
 
 Tolerance of the run: 1e-5 absolute on losses near 6, i.e. about 20 fp32 ulps. In fp32 with
 dropout 0 the two arms differ only by the summation order of GEMMs on half-size batches;
@@ -16,10 +16,10 @@ import pytest
 import torch
 from megatron.training import arguments as megatron_arguments
 
-from megatron_domino import loss_parity
-from megatron_domino.demo import CPU_ARGS
-from megatron_domino.loss_parity import LossParityError, arm_flags, compare, parse_args
+from megatron_domino.tools import loss_parity
+from megatron_domino.tools.loss_parity import LossParityError, arm_flags, compare, parse_args
 from megatron_domino.training import pretrain as entry
+from megatron_domino.training.runs import MODULE, cpu_flags, torchrun_command
 
 TOLERANCE = 1e-5
 
@@ -49,9 +49,9 @@ def test_each_arm_is_a_command_line_megatron_lm_accepts(arm, monkeypatch):
     assert args.domino == (arm == "domino") and args.train_iters == 5
     assert args.transformer_impl == "local" and args.eval_iters == 0
     if not torch.cuda.is_available():
-        assert " ".join(CPU_ARGS) in " ".join(flags)
-    command = loss_parity.launch_command(2, flags)
-    assert Path(command[command.index(flags[0]) - 1]).name == "pretrain_gpt_domino.py"
+        assert " ".join(cpu_flags()) in " ".join(flags)
+    command = torchrun_command(2, flags)
+    assert command[command.index(flags[0]) - 2 :][:2] == ["-m", MODULE]
 
 
 def test_a_data_path_replaces_the_default_mock_data():

@@ -13,10 +13,10 @@ Every flag that can run here is kept, with its meaning; only numbers are resized
 (:attr:`Example.flags`: model and batch sizes, iterations, intervals, and TP 2 so that there
 is tensor-parallel communication for Domino), and the flags that cannot run here are replaced
 one by one, each with the error that running it gave (:attr:`Example.replaced`). Both arms also get
-:data:`launch.CPU_FLAGS`, the CPU's replacements for Megatron-LM's GPU defaults. The scripts'
+:data:`megatron_domino.training.runs.CPU_FLAGS`, the CPU's replacements for Megatron-LM's GPU defaults. The scripts'
 paths become folders of the arm (checkpoints, TensorBoard, which needs ``tensorboard``
 installed, and the data cache); ``--sequence-parallel`` runs with
-:mod:`megatron_domino.cpu_specs`.
+:mod:`megatron_domino.harness.cpu_specs`.
 
 Each script is run through ``pretrain_gpt_domino.py`` on 4 gloo ranks twice, without and with
 ``--domino``, and the ``--log-json`` records are compared iteration by iteration: the same
@@ -52,13 +52,14 @@ and without a warning, where Domino refuses it.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from launch import CPU_FLAGS, records, run_pretrain
+from launch import records, run_pretrain
+
+from megatron_domino.training.runs import cpu_flags, read_records
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +96,7 @@ class Example:
 
     def command(self, run: Path) -> list[str]:
         """Both arms' flags: the CPU's, the script's (resized), then the replacements."""
-        flags = [*" ".join(CPU_FLAGS).split()]
+        flags = cpu_flags()
         for flag, *value in self.flags:
             flags += [flag, *value[-1:]]
         for replacement, _reason in self.replaced.values():
@@ -269,7 +270,7 @@ LLAMA3_8B_FP8 = Example(
             "without --fp8-format: 'ValueError: fp8_param must be used together with fp8 mode.'",
         ),
         "--sequence-parallel": (
-            "--sequence-parallel --spec megatron_domino.cpu_specs sequence_parallel_local_spec",
+            "--sequence-parallel --spec megatron_domino.harness.cpu_specs sequence_parallel_local_spec",
             "'AssertionError: sequence parallel not supported by torch LayerNorm' "
             "(core/transformer/torch_norm.py:50; Apex's norm needs CUDA); the spec is Megatron's "
             "local spec with torch norms that run under sequence parallelism",
@@ -311,8 +312,7 @@ def _train(example: Example, extra: list[str], run: Path) -> tuple[dict, dict, s
 def _all_records(log_json: Path, kind: str) -> list[tuple[int, dict]]:
     """Every ``kind`` record in order (an iteration may be evaluated twice: during training
     and on the validation set after it)."""
-    lines = [json.loads(line) for line in log_json.read_text().splitlines()]
-    return [(r["iteration"], r) for r in lines if r["kind"] == kind]
+    return [(r["iteration"], r) for r in read_records(log_json, kind)]
 
 
 def _relative(a: float, b: float) -> float:

@@ -13,8 +13,7 @@ import torch
 from launch import TINY_GPT, run_pretrain
 from megatron.training import arguments as megatron_arguments
 
-from megatron_domino.overlap import CollectiveSpan
-from megatron_domino.overlap_report import (
+from megatron_domino.analysis.report import (
     headline,
     layer_rows,
     not_hidden,
@@ -23,9 +22,11 @@ from megatron_domino.overlap_report import (
     report_totals,
     warning_lines,
 )
+from megatron_domino.analysis.spans import CollectiveSpan
 from megatron_domino.recorder import NULL_RECORDER, EventRecorder
 from megatron_domino.training import pretrain as entry
 from megatron_domino.training.domino_report import DominoOverlapReport
+from megatron_domino.training.runs import read_records
 
 OVERLAPPED = (("attention_core", 0, 1, 0),)
 
@@ -239,8 +240,7 @@ def test_tp2_training_prints_the_report_and_logs_its_totals(tmp_path):
             assert f"      {layer}  {direction}            8  " in output  # 2 chunks x 2 AR x 2 mb
     assert "  total  all           32  " in output
     assert "\nWARNING: layer " not in output, output
-    records = [json.loads(line) for line in log_json.read_text().splitlines()]
-    reports = [r for r in records if r["kind"] == "domino_report"]
+    reports = read_records(log_json, "domino_report")
     assert [r["iteration"] for r in reports] == [2, 3]
     for report in reports:
         assert report["collectives"] == 32 and report["passes"] == 4

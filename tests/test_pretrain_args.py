@@ -6,12 +6,15 @@ after Megatron's validation (:func:`megatron_domino.training.pretrain._script_ch
 a real launch with a refused flag combination: it fails before writing anything.
 """
 
+import os
+import subprocess
 import sys
 
 import pytest
 from launch import TINY_GPT, run_pretrain
 from megatron.training import arguments as megatron_arguments
 
+from megatron_domino.autotune import AutoTuner, NoCandidateError
 from megatron_domino.config import DominoConfigError, DominoUnsupportedError
 from megatron_domino.training import pretrain as entry
 
@@ -108,6 +111,22 @@ def checked(
             DominoUnsupportedError,
             "CUDA graphs bypass forward()",
         ),
+        (
+            # 5 candidates at micro-batch 2 (p4 refused), 1 warm-up + 3 measured iterations each.
+            [*TP2_DOMINO, "--domino-chunks", "auto"],
+            entry.StartupError,
+            "--domino-chunks auto needs 20 iterations to time its candidates",
+        ),
+        (
+            [*TP2_DOMINO, "--domino-chunks", "auto", "--domino-split", "sequence"],
+            DominoConfigError,
+            "--domino-chunks auto chooses --domino-split too",
+        ),
+        (
+            [*TP2_DOMINO, "--domino-chunks", "auto", "--cuda-graph-impl", "local"],
+            NoCandidateError,
+            "- p2, p2-k2, p4, p4-k2, p1-k2, s2, s4: CUDA graphs bypass forward()",
+        ),
         (["--sft"], entry.StartupError, "does not implement --sft"),
         (["--domino-report"], entry.StartupError, "--domino-report reports Domino's overlap"),
         (
@@ -165,6 +184,28 @@ def test_supported_combinations_pass(monkeypatch):
         assert args.domino
 
 
+def test_auto_tunes_over_the_settings_the_model_allows(monkeypatch):
+    args = checked(monkeypatch, *TP2_DOMINO, "--domino-chunks", "auto", "--domino-auto-iters", "1")
+    tuner = entry._script_checks(args)
+    assert isinstance(tuner, AutoTuner) and tuner.iterations == 10
+    assert repr(tuner).startswith("AutoTuner(candidates=[p2, p2-k2, p1-k2, s2, s4], 1 warm-up")
+
+
+#: Parses and checks BASE (no --domino) in a fresh interpreter; prints the megatron_domino
+#: modules that imported.
+_BASELINE_IMPORTS = f"""
+import sys
+from megatron.training import arguments
+from megatron_domino.training import pretrain
+arguments.get_device_arch_version = lambda: 9
+sys.argv = ["pretrain_gpt_domino.py", *{BASE!r}]
+args = arguments.parse_args(extra_args_provider=pretrain._extra_args)
+arguments.validate_args(args, dict(pretrain.ARGS_DEFAULTS))
+pretrain._script_checks(args)
+print(" ".join(sorted(m for m in sys.modules if m.startswith("megatron_domino"))))
+"""
+
+
 def test_megatron_parses_every_megatron_lm_flag_with_its_meaning(monkeypatch):
     base = [*TINY_GPT, "--lr", "1e-3", *DATA]
     args = checked(monkeypatch, "--rotary-base", "500000", "--train-samples", "64", base=base)
@@ -173,6 +214,16 @@ def test_megatron_parses_every_megatron_lm_flag_with_its_meaning(monkeypatch):
     # Megatron-LM's own default, not a CPU one: the CPU flags in TINY_GPT set it to local.
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt_domino.py", "--num-layers", "2"])
     assert megatron_arguments.parse_args(entry._extra_args).transformer_impl == "transformer_engine"
+    # Without --domino, of Domino only its flags (config.py) and the version check import.
+    env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", _BASELINE_IMPORTS], capture_output=True, text=True, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    modules = done.stdout.strip().splitlines()[-1].split()
+    subpackages = {f"megatron_domino.{name}" for name in ("data", "harness", "training")}
+    library = {name for name in modules if name.count(".") == 1} - subpackages
+    assert library == {"megatron_domino.config", "megatron_domino.version"}, library
 
 
 def test_a_refused_run_writes_nothing(tmp_path):

@@ -12,7 +12,7 @@ stock and Domino draw nothing and differ only by rounding.
 
 * One micro-batch: stock's and Domino's gradients (``main_grad`` after Megatron's
   ``finalize_model_grads``) against an fp32 reference with the same weights, within
-  :data:`megatron_domino.equivalence.BF16_BOUND` of stock's own error, tensor by tensor.
+  :data:`megatron_domino.analysis.equivalence.BF16_BOUND` of stock's own error, tensor by tensor.
 * Three optimizer steps of each from the same weights and batches: losses and gradient norms.
 * Which weight-gradient path ran: with gradient-accumulation fusion, every linear's weight
   gradient went through Megatron's fused weight-gradient GEMM with bf16 operands, the column
@@ -35,9 +35,7 @@ from multiproc import run_on_ranks
 from te_stand_in import stand_in_te_layer_spec
 from tiny_models import PRODUCTION_DEFAULTS, TINY
 
-from megatron_domino.backward_overlap import accumulate_weight_gradient, placeholder_gradient
-from megatron_domino.config import DominoConfig
-from megatron_domino.equivalence import (
+from megatron_domino.analysis.equivalence import (
     BF16_BOUND,
     StepResult,
     bound_violations,
@@ -45,13 +43,15 @@ from megatron_domino.equivalence import (
     token_batch,
     worst_gradient_error,
 )
-from megatron_domino.gpt_model import (
+from megatron_domino.apply import apply_domino
+from megatron_domino.backward_overlap import accumulate_weight_gradient, placeholder_gradient
+from megatron_domino.config import DominoConfig
+from megatron_domino.harness.gpt_model import (
     GPTOptions,
     GPTOptionsError,
     build_gpt_model,
     transformer_config,
 )
-from megatron_domino.integration import apply_domino
 
 MICRO_BATCH = 4
 CHUNKS = 2

@@ -9,9 +9,9 @@ Engine rules) and the flags the script's GPT path refuses. Validation opens no f
 no GPU (the GPU's architecture is answered as a Hopper's), so it runs in full for mock and
 real data alike. Not checked here: that a model fits in GPU memory, and that a real srun
 accepts its options. One slow test runs the srun recipe for real on CPU, with a stand-in for
-srun that starts the ranks with SLURM's variables, and reads its logs with ab_report.py, so a
-change of Megatron-LM's log format shows up here; ab_report.py's unit tests write their JSON
-records through the script's own ``--log-json`` hook.
+srun that starts the ranks with SLURM's variables, and reads its logs with the A/B report
+(``megatron_domino.tools.ab_report``), so a change of Megatron-LM's log format shows up here;
+the report's unit tests write their JSON records through the script's own ``--log-json`` hook.
 """
 
 from __future__ import annotations
@@ -293,7 +293,9 @@ def test_ranks_per_node_are_the_gpus_slurm_allocated(gpus, monkeypatch):
     [(launcher, _)] = launches(torchrun.stdout)
     assert "--ntasks-per-node=1" in launcher and option(launcher, "--nproc-per-node") == "4"
     ab = run_script("ab_compare.sh", MOCK="1", TP="4", **job)
-    report = shlex.split(next(line for line in ab.stdout.splitlines() if "ab_report.py" in line))
+    report = shlex.split(
+        next(line for line in ab.stdout.splitlines() if "megatron_domino.tools.ab_report" in line)
+    )
     assert option(report, "--gpus") == "4"
 
 
@@ -489,7 +491,9 @@ def test_ab_compare_runs_identical_arms_but_for_domino(launcher, monkeypatch):
         assert base_args.distributed_backend == "gloo" and base_args.transformer_impl == "local"
     else:
         assert base_launcher[0] == "srun" and base_args.transformer_impl == "transformer_engine"
-    report = next(line for line in done.stdout.splitlines() if "ab_report.py" in line)
+    report = next(
+        line for line in done.stdout.splitlines() if "megatron_domino.tools.ab_report" in line
+    )
     words = shlex.split(report)
     assert option(words, "--out-dir") == "/tmp/ab" and option(words, "--gpus") == str(world)
     tokens = base_args.global_batch_size * base_args.seq_length
@@ -500,7 +504,9 @@ def test_ab_compare_runs_identical_arms_but_for_domino(launcher, monkeypatch):
 def test_ab_compare_reports_the_pipeline_parallel_size_it_ran(monkeypatch):
     """The report used to say pp=1 whatever PP was."""
     done = run_script("ab_compare.sh", MOCK="1", MODEL="llama3-70b", PP="2", NNODES="2")
-    report = shlex.split(next(line for line in done.stdout.splitlines() if "ab_report.py" in line))
+    report = shlex.split(
+        next(line for line in done.stdout.splitlines() if "megatron_domino.tools.ab_report" in line)
+    )
     assert "pp=2" in report and "pp=1" not in report
     (_, base), _ = launches(done.stdout)
     assert accepted(base, world_size=16, monkeypatch=monkeypatch).pipeline_model_parallel_size == 2
@@ -528,7 +534,7 @@ exit $status
 @pytest.mark.slow
 def test_srun_recipe_trains_with_ranks_from_slurm_variables(tmp_path, capsys):
     """The real (not dry) path: exports, run directory, tee'd log, SLURM_PROCID ranks; then
-    ab_report.py reads the run's real logs (Megatron-LM's lines, the --log-json records)."""
+    the A/B report reads the run's real logs (Megatron-LM's lines, the --log-json records)."""
     (tmp_path / "bin").mkdir()
     srun = tmp_path / "bin" / "srun"
     srun.write_text(FAKE_SRUN)
@@ -595,17 +601,14 @@ def test_scripts_are_shellcheck_clean():
     assert done.returncode == 0, done.stdout
 
 
-# --- ab_report.py -------------------------------------------------------------------------
+# --- ab_report -----------------------------------------------------------------------------
 
 
 def load_ab_report():
-    """examples/ab_report.py as a module (registered first: its dataclass needs that)."""
-    if "ab_report" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("ab_report", EXAMPLES / "ab_report.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    return sys.modules["ab_report"]
+    """The A/B report command's module (``megatron_domino.tools.ab_report``)."""
+    from megatron_domino.tools import ab_report
+
+    return ab_report
 
 
 def megatron_line(iteration: int, total: int, ms: float, tflops: float, loss: float) -> str:

@@ -10,7 +10,7 @@ over the TP ranks (what ``finalize_model_grads`` does for parameters marked
 ``sequence_parallel``): stock TE computes complete sums over each rank's shard, Domino partial
 sums over the full sequence (see :mod:`megatron_domino.te_linears`); only the totals agree.
 
-Tolerances: :data:`megatron_domino.equivalence.TOLERANCES` (fp32 ``atol = 1e-6, rtol = 1e-5``).
+Tolerances: :data:`megatron_domino.analysis.equivalence.TOLERANCES` (fp32 ``atol = 1e-6, rtol = 1e-5``).
 What this does not show: that real TE keeps the contract (see
 ``tests/test_transformer_engine_gpu.py``, which needs TE and two GPUs), or anything about FP8
 numerics.
@@ -29,8 +29,8 @@ from te_stand_in import FP8_CONTEXT_DEPTH, stand_in_linears, stand_in_te_layer_s
 from tiny_models import LLAMA_STYLE
 
 import megatron_domino.block
-from megatron_domino.config import DominoConfig, DominoUnsupportedError
-from megatron_domino.equivalence import (
+from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
+from megatron_domino.analysis.equivalence import (
     StepResult,
     forward_backward,
     max_abs_error,
@@ -38,23 +38,27 @@ from megatron_domino.equivalence import (
     token_batch,
     tolerance_for,
 )
-from megatron_domino.gpt_model import GPTOptions, build_gpt_model
-from megatron_domino.integration import apply_domino
-from megatron_domino.overlap import collective_spans
+from megatron_domino.analysis.spans import collective_spans
+from megatron_domino.apply import apply_domino
+from megatron_domino.config import DominoConfig, DominoUnsupportedError
+from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
+from megatron_domino.harness.settings import setting as named_setting
 from megatron_domino.recorder import EventRecorder
-from megatron_domino.schedule_checks import count_mismatches, overlap_violations
 
 LAYERS = 2
 MODEL = dict(num_layers=LAYERS, **LLAMA_STYLE)
-#: (sequence parallel, setting name) -> Domino settings. Without SP, TE keeps its backward
-#: all-reduce, so backward overlap must be off (see te_problems).
-SETTINGS = {
-    (True, "p2"): dict(chunks=2),
-    (True, "p4"): dict(chunks=4),
-    (True, "p2-intra-layer"): dict(chunks=2, inter_layer=False),
-    (False, "p2"): dict(chunks=2, backward_overlap=False),
-    (False, "p4"): dict(chunks=4, backward_overlap=False),
-}
+#: The settings (names: megatron_domino.harness.settings). Without SP, TE keeps its backward
+#: all-reduce, so backward overlap must be off (see refusals.te_problems).
+SETTINGS = [
+    named_setting(name)
+    for name in (
+        "sp-p2",
+        "sp-p4",
+        "sp-p2-intra-layer",
+        "p2-no-backward-overlap",
+        "p4-no-backward-overlap",
+    )
+]
 
 
 def _options(sequence_parallel: bool, **changes) -> GPTOptions:
@@ -83,19 +87,19 @@ def _compare(sequence_parallel: bool) -> dict:
     batch = token_batch(options, 4)
     reference = _tp_summed(forward_backward(model, batch), model)
     found = {}
-    for (sp, setting), kwargs in SETTINGS.items():
-        if sp != sequence_parallel:
+    for named in SETTINGS:
+        if named.sequence_parallel != sequence_parallel:
             continue
         recorder = EventRecorder()
         for linear in stand_in_linears(model):
             linear.calls.clear()
-        with apply_domino(model, DominoConfig(**kwargs), recorder=recorder) as handle:
+        with apply_domino(model, named.config, recorder=recorder) as handle:
             result = _tp_summed(forward_backward(model, batch), model)
             step = handle.runtime.last_step
             assert not step.pending_forward and not step.pending_backward
         wrong = mismatches(result, reference, tolerance_for(options))
-        assert not wrong, (setting, wrong[:3])
-        found[setting] = dict(
+        assert not wrong, (named.name, wrong[:3])
+        found[named.name] = dict(
             spans=collective_spans(recorder.events()),
             calls=[call for linear in stand_in_linears(model) for call in linear.calls],
             max_error=max_abs_error(result, reference),
@@ -127,10 +131,10 @@ def test_collectives_match_the_schedule_and_overlap(compared):
     forward all-reduces only); with inter-layer overlap (intra-layer mode drains each layer),
     every collective but the schedule's first and last overlapped other work."""
     sequence_parallel, results = compared
-    for (sp, setting), kwargs in SETTINGS.items():
-        if sp != sequence_parallel:
+    for named in SETTINGS:
+        if named.sequence_parallel != sequence_parallel:
             continue
-        config = DominoConfig(**kwargs)
+        setting, config = named.name, named.config
         spans = results[setting]["spans"]
         wrong = count_mismatches(
             spans, config, num_layers=LAYERS, sequence_parallel=sequence_parallel

@@ -32,27 +32,24 @@ from te_stand_in import (
 )
 from tiny_models import LLAMA_STYLE
 
-from megatron_domino.config import DominoConfig, DominoUnsupportedError
-from megatron_domino.equivalence import (
+from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
+from megatron_domino.analysis.equivalence import (
     forward_backward,
     max_abs_error,
     mismatches,
     token_batch,
     tolerance_for,
 )
-from megatron_domino.gpt_model import GPTOptions, build_gpt_model
-from megatron_domino.integration import apply_domino
-from megatron_domino.overlap import collective_spans
+from megatron_domino.analysis.spans import collective_spans
+from megatron_domino.apply import apply_domino
+from megatron_domino.config import DominoConfig, DominoUnsupportedError
+from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
+from megatron_domino.harness.settings import setting
 from megatron_domino.recorder import EventRecorder
-from megatron_domino.schedule_checks import count_mismatches, overlap_violations
 
 LAYERS = 2
-#: (sequence parallel, setting) -> Domino settings, all --domino-split sequence at micro-batch 1.
-SETTINGS = {
-    (True, "s2"): dict(chunks=2),
-    (True, "s4"): dict(chunks=4),
-    (False, "s2-no-backward-overlap"): dict(chunks=2, backward_overlap=False),
-}
+#: The settings (names: megatron_domino.harness.settings), all at micro-batch 1.
+SETTINGS = [setting(name) for name in ("sp-s2", "sp-s4", "s2-no-backward-overlap")]
 
 
 def _compare() -> dict:
@@ -64,10 +61,10 @@ def _compare() -> dict:
         attentions = stand_in_attentions(model)
         batch = token_batch(options, 1)
         reference = forward_backward(model, batch, finalize_sequence_parallel=True)
-        for (sp, setting), kwargs in SETTINGS.items():
-            if sp != sequence_parallel:
+        for named in SETTINGS:
+            if named.sequence_parallel != sequence_parallel:
                 continue
-            config = DominoConfig(split_along="sequence", **kwargs)
+            sp, config = sequence_parallel, named.config
             recorder = EventRecorder()
             for attention in attentions:
                 attention.calls.clear()
@@ -76,7 +73,7 @@ def _compare() -> dict:
                 step = handle.runtime.last_step
                 pending = len(step.pending_forward) + len(step.pending_backward)
             spans = collective_spans(recorder.events())
-            found[sp, setting] = dict(
+            found[named.name] = dict(
                 mismatches=mismatches(result, reference, tolerance_for(options))[:3],
                 pending=pending,
                 counts=count_mismatches(spans, config, num_layers=LAYERS, sequence_parallel=sp),
@@ -107,11 +104,12 @@ def test_matches_stock_te_at_micro_batch_1(compared):
     counted and (with inter-layer overlap) overlapped as under the batch split; the revert
     restores stock exactly."""
     assert compared["revert"] == [0.0, 0.0]
-    for key in SETTINGS:
+    for named in SETTINGS:
         checked = {
-            name: compared[key][name] for name in ("mismatches", "pending", "counts", "overlap")
+            name: compared[named.name][name]
+            for name in ("mismatches", "pending", "counts", "overlap")
         }
-        assert checked == dict(mismatches=[], pending=0, counts=[], overlap=[]), key
+        assert checked == dict(mismatches=[], pending=0, counts=[], overlap=[]), named.name
 
 
 def test_later_chunks_ask_te_for_a_bottom_right_causal_mask(compared):
@@ -119,8 +117,8 @@ def test_later_chunks_ask_te_for_a_bottom_right_causal_mask(compared):
     ``c > 0`` has ``s/p`` queries against ``(c+1)s/p`` keys and passes
     ``causal_bottom_right`` with no mask tensor (TE's ``causal`` would be aligned top-left)."""
     s = LLAMA_STYLE["seq_length"]
-    for key, kwargs in SETTINGS.items():
-        p = kwargs["chunks"]
+    for named in SETTINGS:
+        key, p = named.name, named.config.chunks
         q = s // p
         expected = [AttentionCall("causal", q, q, True)]
         expected += [

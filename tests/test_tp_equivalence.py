@@ -1,7 +1,7 @@
 """Megatron-Core's GPTModel at TP = 2 and TP = 4 on the CPU computes what TP = 1 computes.
 
 A TP = 1 model is built once per configuration; its weights are cut into each TP rank's
-shards (:func:`megatron_domino.testing.shard_state_dict`) and every rank runs the same batch.
+shards (:func:`sharding.shard_state_dict`) and every rank runs the same batch.
 Logits (this rank's vocabulary shard ``[b, s, V_pad / TP]``), the per-token loss ``[b, s]``
 and every parameter's gradient (this rank's shard) must match the TP = 1 run. Dropout is off,
 so the only difference is the order of floating-point sums: the row-parallel all-reduce adds
@@ -18,9 +18,9 @@ from __future__ import annotations
 import pytest
 import torch
 from multiproc import run_on_ranks
+from sharding import shard_like, shard_state_dict
 
-from megatron_domino.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
-from megatron_domino.testing import shard_like, shard_state_dict
+from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
 
 ATOL = 1e-6
 RTOL = 1e-5

@@ -8,7 +8,7 @@ first on a TE machine:
     pytest tests/test_transformer_engine_gpu.py -v
 
 Each case trains a small Llama-style model (RMSNorm, SwiGLU, RoPE, GQA) for 20 iterations at
-TP = 2 (micro-batch 4, or 1 for the sequence split), without and with ``--domino``, through ``python -m megatron_domino.loss_parity``
+TP = 2 (micro-batch 4, or 1 for the sequence split), without and with ``--domino``, through ``python -m megatron_domino.tools.loss_parity``
 (same seed, data and initial weights), and bounds the largest loss difference. Dropout is 0.
 
 Tolerances (absolute, on losses around 5-10): Domino runs the same GEMMs on fewer rows, so only
@@ -27,7 +27,7 @@ import json
 import pytest
 import torch
 
-from megatron_domino import loss_parity
+from megatron_domino.tools import loss_parity
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformer_engine") is None or torch.cuda.device_count() < 2,

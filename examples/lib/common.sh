@@ -342,7 +342,7 @@ add SEQUENCE_PARALLEL=0 (with TRANSFORMER_IMPL=transformer_engine it is on by de
 # recipe_pretrain_args DOMINO RUN_DIR: PRETRAIN_ARGS, the flags of one run, in groups.
 recipe_pretrain_args() {
     local domino=$1 run_dir=$2
-    # The CPU replacements of Megatron-LM's GPU defaults (as in tests/launch.py): gloo for
+    # The CPU replacements of Megatron-LM's GPU defaults (as in megatron_domino/training/runs.py): gloo for
     # NCCL, no Apex persistent LayerNorm or fused weight-gradient accumulation, no CUDA fused
     # softmax, no TE fused RoPE. TRANSFORMER_IMPL is local there by default.
     CPU_ARGS=()

@@ -1,8 +1,8 @@
 """What a recorded Domino step must look like: how many collectives, and what they overlapped.
 
-Pure functions of the :class:`~megatron_domino.overlap.CollectiveSpan` s of one recorded
+Pure functions of the :class:`~megatron_domino.analysis.spans.CollectiveSpan` s of one recorded
 forward and backward, shared by the overlap tests' criteria and
-``python -m megatron_domino.gpu_check``. They are orderings, not timings, so they hold on any
+``python -m megatron_domino.tools.gpu_check``. They are orderings, not timings, so they hold on any
 machine load and with CPU wall-clock or CUDA-event times alike.
 
 Counts, per layer (collective names end in ``_ar``, ``_ag``, ``_rs`` or ``_regather``):
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from megatron_domino.analysis.spans import CollectiveSpan
 from megatron_domino.config import DominoConfig
-from megatron_domino.overlap import CollectiveSpan
 
 __all__ = [
     "collective_counts",

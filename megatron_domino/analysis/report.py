@@ -1,6 +1,6 @@
 """The overlap report: from recorded collective spans to text lines and JSON totals.
 
-Pure functions of :class:`~megatron_domino.overlap.CollectiveSpan` lists, so they are tested
+Pure functions of :class:`~megatron_domino.analysis.spans.CollectiveSpan` lists, so they are tested
 on synthetic spans without processes. The training loop (``--domino-report``) records a few
 iterations with an :class:`~megatron_domino.recorder.EventRecorder` and prints
 :func:`report_lines` after each.
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from megatron_domino.overlap import CollectiveSpan, OverlapSummary, summarize
+from megatron_domino.analysis.spans import CollectiveSpan, OverlapSummary, summarize
 
 DIRECTIONS = ("fwd", "bwd")
 _DIRECTION_WORDS = {"fwd": "forward", "bwd": "backward"}
@@ -66,7 +66,7 @@ class NotHidden:
 
 
 def passes(spans: list[CollectiveSpan]) -> list[list[CollectiveSpan]]:
-    """Split ``spans`` (in launch order, as :func:`~megatron_domino.overlap.collective_spans`
+    """Split ``spans`` (in launch order, as :func:`~megatron_domino.analysis.spans.collective_spans`
     returns them) into passes: maximal runs of one direction.
 
     Without pipeline parallelism Megatron-Core's schedule runs each micro-batch's forward,
@@ -198,7 +198,7 @@ def report_lines(
     """The report of one iteration: a per-layer table, totals, then any warnings.
 
     Args:
-        spans: the iteration's collectives, from :func:`~megatron_domino.overlap.collective_spans`.
+        spans: the iteration's collectives, from :func:`~megatron_domino.analysis.spans.collective_spans`.
         iteration: shown in the title.
         clock: what the times measure, e.g. ``wall clock`` or ``CUDA events``.
         rank: the global rank whose collectives these are.

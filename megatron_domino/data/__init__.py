@@ -4,8 +4,9 @@ GPT datasets -> micro-batches. Import from the submodules (nothing is re-exporte
 
 * :mod:`megatron_domino.data.corpus`: documents from text/JSONL files or from the Python
   standard library (a demo corpus available offline everywhere).
-* :mod:`megatron_domino.data.prepare`: trains a SentencePiece tokenizer and writes Megatron's
-  ``.bin/.idx`` files, cached and atomically (``python -m megatron_domino.data.prepare``).
+* :mod:`megatron_domino.data.prepare`: trains a SentencePiece tokenizer
+  (:mod:`megatron_domino.data.tokenizer`) and writes Megatron's ``.bin/.idx`` files, cached
+  and atomically (``python -m megatron_domino.data.prepare``, ``megatron-domino-prepare-data``).
 * :mod:`megatron_domino.data.datasets`: Megatron-Core's tokenizer, the train/valid/test
   ``GPTDataset`` splits and micro-batch iteration, on CPU.
 * :mod:`megatron_domino.data.files`: file checks, fingerprints and atomic publishing shared by

@@ -35,6 +35,10 @@ function mode, applies to the thread that entered the runtime (CPU autograd runs
 applying them twice would make the second exit restore patched objects. Nothing of this is
 ever active next to a real GPU: entering with CUDA available raises, and
 :func:`runtime_for_device` returns a null context there.
+
+One mechanism, kept in one module although it passes 300 lines: the patch table
+(:data:`PATCHES`, each entry with its reason) is a third of it, and splitting it from the
+runtime that applies it would hide why each patch exists.
 """
 
 from __future__ import annotations
@@ -43,8 +47,6 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from megatron.core.optimizer import clip_grads as megatron_clip_grads
@@ -54,11 +56,12 @@ from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 from megatron.core.tensor_parallel import random as megatron_random
 from torch.overrides import TorchFunctionMode
 
+from megatron_domino.harness.patch import Patch
+
 __all__ = [
     "CpuRuntime",
     "CpuRuntimeError",
     "PATCHES",
-    "Patch",
     "cpu_runtime",
     "cpu_runtime_active",
     "runtime_for_device",
@@ -67,39 +70,6 @@ __all__ = [
 
 class CpuRuntimeError(RuntimeError):
     """The CPU runtime was entered where it must not be (twice, or next to a GPU)."""
-
-
-@dataclass(frozen=True)
-class Patch:
-    """One attribute of Megatron-Core or ``torch.cuda`` replaced while the runtime is active.
-
-    Attributes:
-        owner: the module or class whose attribute is replaced.
-        name: the attribute's name.
-        replacement: what the attribute is while the runtime is active.
-        why: one line on which Megatron-Core code needs it.
-    """
-
-    owner: Any
-    name: str
-    replacement: Any
-    why: str
-
-    @contextlib.contextmanager
-    def applied(self) -> Iterator[None]:
-        """Install the replacement; on exit put back exactly the object found on entry.
-
-        Only attributes the owner defines itself are patched: restoring an inherited method
-        would leave a copy in the subclass instead of removing it.
-        """
-        if self.name not in vars(self.owner):
-            raise CpuRuntimeError(f"{self.owner!r} does not define {self.name!r} itself.")
-        original = vars(self.owner)[self.name]
-        setattr(self.owner, self.name, self.replacement)
-        try:
-            yield
-        finally:
-            setattr(self.owner, self.name, original)
 
 
 def _is_cuda_device(device: object) -> bool:

@@ -2,14 +2,14 @@
 ``--sequence-parallel`` without Apex (e.g. on the CPU).
 
     pretrain_gpt_domino.py --transformer-impl local --sequence-parallel \
-        --spec megatron_domino.cpu_specs sequence_parallel_local_spec ...
+        --spec megatron_domino.harness.cpu_specs sequence_parallel_local_spec ...
 
 Megatron-LM builds ``--transformer-impl local`` models from Megatron-Core's
 ``get_gpt_layer_local_spec``, whose norms (each layer's two and the block's final one) are
 Apex's ``FusedLayerNorm``, which needs CUDA, or without Apex ``WrappedTorchNorm``, which
 asserts ``not config.sequence_parallel`` (``core/transformer/torch_norm.py:50``, megatron-core
 0.19.2). This spec is that same local spec with those three norms replaced by
-:class:`~megatron_domino.norms.SequenceParallelTorchNorm` (torch's ``LayerNorm``/``RMSNorm``,
+:class:`~megatron_domino.harness.norms.SequenceParallelTorchNorm` (torch's ``LayerNorm``/``RMSNorm``,
 weights marked ``sequence_parallel`` so that Megatron all-reduces their gradients over the
 tensor-parallel group, as it does Apex's). Nothing else changes.
 
@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
-from megatron_domino.norms import SequenceParallelTorchNorm
+from megatron_domino.harness.norms import SequenceParallelTorchNorm
 
 __all__ = ["sequence_parallel_local_spec"]
 
@@ -59,7 +59,7 @@ def sequence_parallel_local_spec(config, vp_stage: int | None = None) -> Transfo
     refused = [flag for name, flag in _REFUSED if getattr(transformer, name, None)]
     if refused:
         raise ValueError(
-            f"--spec megatron_domino.cpu_specs sequence_parallel_local_spec does not build the "
+            f"--spec megatron_domino.harness.cpu_specs sequence_parallel_local_spec does not build the "
             f"norms of {', '.join(refused)}; drop them or use Megatron's Apex/TE norms on a GPU."
         )
     spec = get_gpt_layer_local_spec(normalization=transformer.normalization)

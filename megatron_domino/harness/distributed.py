@@ -13,7 +13,7 @@ environment:
   the port is ``MASTER_PORT`` or 29500. ``srun torchrun`` is recognised as torchrun.
 
 The backend is NCCL with CUDA and gloo without. On the CPU, :func:`init_distributed` must run
-inside :func:`megatron_domino.cpu_runtime.cpu_runtime`, which is what makes Megatron's RNG
+inside :func:`megatron_domino.harness.cpu_runtime.cpu_runtime`, which is what makes Megatron's RNG
 seeding work there::
 
     with runtime_for_device():
@@ -39,7 +39,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from megatron_domino.cpu_runtime import cpu_runtime_active
+from megatron_domino.harness.cpu_runtime import cpu_runtime_active
 
 __all__ = [
     "DEFAULT_MASTER_PORT",
@@ -228,7 +228,7 @@ def init_distributed(
         raise DistributedInitError(
             "On the CPU, init_distributed must run inside the CPU runtime, which makes "
             "Megatron's RNG tracker work without CUDA: wrap the run in "
-            "`with megatron_domino.cpu_runtime.runtime_for_device(): ...`."
+            "`with megatron_domino.harness.cpu_runtime.runtime_for_device(): ...`."
         )
     launch = detect_launch()
     _check_parallel_sizes(launch.world_size, tensor_model_parallel_size)

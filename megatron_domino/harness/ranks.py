@@ -1,11 +1,11 @@
 """Run one function on N gloo ranks, one spawned process each, on the CPU or sharing one GPU.
 
-Used by the test suite (``tests/multiproc.py``) and by ``python -m megatron_domino.gpu_check``.
+Used by the test suite (``tests/multiproc.py``) and by ``python -m megatron_domino.tools.gpu_check``.
 
 Megatron-Core keeps its model-parallel state in module globals and torch.distributed allows
 one default process group per process, so each tensor-parallel rank needs a process. On a
 single GPU both ranks use ``cuda:0``: NCCL refuses two ranks on one device, so the process
-group is always gloo (which the probe in :mod:`megatron_domino.gpu_check.probe` checks for
+group is always gloo (which the probe in :mod:`megatron_domino.tools.gpu_check.probe` checks for
 device tensors).
 
 The function is named as ``"module:function"`` and imported only in the ranks, so the parent
@@ -116,8 +116,8 @@ def _rank_main(
             finally:
                 dist.destroy_process_group()
         else:
-            from megatron_domino.cpu_runtime import runtime_for_device
-            from megatron_domino.distributed import destroy_distributed, init_distributed
+            from megatron_domino.harness.cpu_runtime import runtime_for_device
+            from megatron_domino.harness.distributed import destroy_distributed, init_distributed
 
             with runtime_for_device():
                 init_distributed(
@@ -154,8 +154,8 @@ def run_ranks(
         world_size: ranks (processes).
         device: ``cpu`` (the CPU runtime, no GPU visible) or ``cuda`` (every rank on
             ``cuda:0``).
-        init: ``megatron``: :func:`~megatron_domino.distributed.init_distributed` with gloo
-            inside :func:`~megatron_domino.cpu_runtime.runtime_for_device`; ``plain``: only a
+        init: ``megatron``: :func:`~megatron_domino.harness.distributed.init_distributed` with gloo
+            inside :func:`~megatron_domino.harness.cpu_runtime.runtime_for_device`; ``plain``: only a
             gloo default process group (enough for the collective probe).
         tensor_model_parallel_size: TP size for ``init="megatron"``; defaults to
             ``world_size / pipeline_model_parallel_size``.

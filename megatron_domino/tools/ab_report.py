@@ -1,7 +1,9 @@
 """Compare a baseline run and a ``--domino`` run: a Markdown table, a JSON file and a plot.
 
-    python examples/ab_report.py --baseline A/log.jsonl --domino B/log.jsonl --gpus 8 \\
+    megatron-domino-ab-report --baseline A/log.jsonl --domino B/log.jsonl --gpus 8 \\
         --tokens-per-iteration 65536 --out-dir ab_results [--warmup N] [--meta key=value ...]
+
+(also ``python -m megatron_domino.tools.ab_report``).
 
 ``examples/ab_compare.sh`` runs both arms and calls this; it also works on any two runs of
 ``pretrain_gpt_domino.py``. Each log is either
@@ -20,174 +22,22 @@ times their iteration time; for a ``--log-json`` file those lines are read from 
 beside it. Both use the same median time, so the speedup (baseline median / Domino median) is
 also the throughput ratio.
 
-Writes ``table.md``, ``ab.json`` and, if matplotlib is installed, ``ab.png`` into ``--out-dir``.
-Needs only the standard library (and matplotlib for the plot).
+The logs are read by :mod:`megatron_domino.tools.ab_logs`. Writes ``table.md``, ``ab.json`` (with :mod:`~megatron_domino.tools.provenance`) and, if
+matplotlib is installed, ``ab.png`` into ``--out-dir``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
-import platform
-import re
-import shutil
-import statistics
-import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_domino.tools.ab_logs import ReportError, default_warmup, read_log, summarize
+from megatron_domino.tools.plots import pyplot, save
+from megatron_domino.tools.provenance import describe, provenance
+
 ARMS = ("baseline", "domino")
-
-#: One iteration line of Megatron-LM's training loop (``training_log`` in
-#: ``megatron/training/training.py``): `` iteration  N/ M | consumed samples: ... | elapsed time
-#: per iteration (ms): ... | throughput per GPU (TFLOP/s/GPU): ... | ... | lm loss: ... |``.
-TEXT_LINE = re.compile(
-    r"\biteration\s+(?P<iteration>\d+)/\s*\d+ \|"
-    r".*? elapsed time per iteration \(ms\): (?P<ms>[\d.]+) \|"
-    r"(?: throughput per GPU \(TFLOP/s/GPU\): (?P<tflops>[-+\d.eE]+) \|)?"
-    r".*? lm loss: (?P<loss>[-+\d.Ee]+|nan|inf) \|"
-)
-
-
-class ReportError(ValueError):
-    """A log that cannot be compared; the message names the file and what is missing."""
-
-
-@dataclass(frozen=True)
-class Step:
-    """One measured iteration (JSON log) or log interval (text log)."""
-
-    iteration: int
-    seconds: float
-    tflops_per_gpu: float | None
-    loss: float
-
-
-def read_log(path: Path) -> list[Step]:
-    """The training steps of a ``--log-json`` file or of a run's text output."""
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError as err:
-        raise ReportError(f"{path}: cannot read the log ({err.strerror}).") from err
-    first = next((line for line in lines if line.strip()), "")
-    steps = _read_json(path, lines) if first.lstrip().startswith("{") else _read_text(lines)
-    if not steps:
-        raise ReportError(
-            f"{path}: no training iterations found (expected a --log-json file or the output "
-            "of pretrain_gpt_domino.py with iteration lines)."
-        )
-    return sorted(steps, key=lambda step: step.iteration)
-
-
-def _read_json(path: Path, lines: list[str]) -> list[Step]:
-    steps = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ReportError(f"{path}:{number}: not a JSON object ({err.msg}).") from err
-        if record.get("kind") == "train":
-            steps.append(
-                Step(
-                    iteration=int(record["iteration"]),
-                    seconds=float(record["seconds"]),
-                    tflops_per_gpu=None,
-                    loss=float(record["loss"]),
-                )
-            )
-    return steps
-
-
-def _read_text(lines: list[str]) -> list[Step]:
-    steps = []
-    for line in lines:
-        match = TEXT_LINE.search(line)
-        if match:
-            tflops = match["tflops"]
-            steps.append(
-                Step(
-                    iteration=int(match["iteration"]),
-                    seconds=float(match["ms"]) / 1e3,
-                    tflops_per_gpu=float(tflops) if tflops else None,
-                    loss=float(match["loss"]),
-                )
-            )
-    return steps
-
-
-def tflop_per_gpu_iteration(path: Path, steps: list[Step]) -> float | None:
-    """Model TFLOP per GPU in one iteration, from Megatron-LM's iteration lines: in ``steps``
-    (a text log), else in ``train.log`` beside ``path`` (a ``--log-json`` file). ``None`` without
-    ``--log-throughput``, or when its rounding (one decimal) leaves nothing: a CPU run's 0.0."""
-    lines = [step for step in steps if step.tflops_per_gpu is not None]
-    beside = path.with_name("train.log")
-    if not lines and beside != path and beside.is_file():
-        text = beside.read_text(encoding="utf-8", errors="replace").splitlines()
-        lines = [step for step in _read_text(text) if step.tflops_per_gpu is not None]
-    tflop = [step.tflops_per_gpu * step.seconds for step in lines]
-    return statistics.median(tflop) if tflop and max(tflop) > 0 else None
-
-
-def default_warmup(steps: list[Step]) -> int:
-    """10 % of the iterations the log covers, at least one."""
-    return max(1, (steps[-1].iteration - steps[0].iteration + 1) // 10)
-
-
-def summarize(
-    path: Path, steps: list[Step], *, warmup: int, gpus: int, tokens_per_iteration: int | None
-) -> dict:
-    """Median time and throughput of the steps after the first ``warmup`` iterations."""
-    cutoff = steps[0].iteration - 1 + warmup
-    measured = [step for step in steps if step.iteration > cutoff]
-    if not measured:
-        raise ReportError(
-            f"{path}: all {len(steps)} logged iterations (up to {steps[-1].iteration}) fall in "
-            f"the {warmup} warm-up iterations: train longer or pass a smaller --warmup."
-        )
-    seconds = [step.seconds for step in measured]
-    median_s = statistics.median(seconds)
-    summary = {
-        "log": str(path),
-        "iterations": [measured[0].iteration, measured[-1].iteration],
-        "samples": len(measured),
-        "ms_per_iteration": {
-            "median": median_s * 1e3,
-            "min": min(seconds) * 1e3,
-            "max": max(seconds) * 1e3,
-        },
-        "tokens_per_s_per_gpu": None,
-        "tflops_per_gpu": None,
-        "losses": {str(step.iteration): step.loss for step in steps},
-        "seconds": {str(step.iteration): step.seconds for step in steps},
-    }
-    # Tokens and FLOPs are the same every iteration (a fixed global batch).
-    if tokens_per_iteration:
-        summary["tokens_per_s_per_gpu"] = tokens_per_iteration / median_s / gpus
-    tflop = tflop_per_gpu_iteration(path, steps)
-    if tflop is not None:
-        summary["tflops_per_gpu"] = tflop / median_s
-    command = _command_beside(path)
-    if command:
-        summary["command"] = command
-    return summary
-
-
-def _command_beside(path: Path) -> str | None:
-    """The launch command examples/lib/common.sh printed at the top of train.log, if any."""
-    for candidate in (path, path.with_name("train.log")):
-        try:
-            with candidate.open(encoding="utf-8", errors="replace") as log:
-                for line in log:
-                    if "pretrain_gpt_domino.py" in line and not line.startswith("#"):
-                        return line.strip()
-        except OSError:
-            continue
-    return None
 
 
 def loss_parity(baseline: dict, domino: dict) -> dict:
@@ -201,36 +51,6 @@ def loss_parity(baseline: dict, domino: dict) -> dict:
         "final_baseline": baseline["losses"][common[-1]] if common else None,
         "final_domino": domino["losses"][common[-1]] if common else None,
     }
-
-
-def provenance() -> dict:
-    """Commit, versions and machine, recorded beside the numbers."""
-    repo = Path(__file__).resolve().parent.parent
-    info = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "python": platform.python_version(),
-        "commit": _run(["git", "-C", str(repo), "rev-parse", "HEAD"]),
-        "uncommitted_changes": bool(_run(["git", "-C", str(repo), "status", "--porcelain"])),
-        "gpu": None,
-    }
-    if shutil.which("nvidia-smi"):
-        names = _run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"])
-        info["gpu"] = names.splitlines()[0] if names else None
-    for package in ("torch", "megatron-core", "megatron-domino"):
-        try:
-            info[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            info[package] = None
-    return info
-
-
-def _run(command: list[str]) -> str:
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=20, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return ""
-    return done.stdout.strip() if done.returncode == 0 else ""
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -289,24 +109,14 @@ def markdown_table(result: dict) -> str:
         "No 'no communication' arm: pretrain_gpt_domino.py cannot turn TP collectives into "
         "no-ops; `make bench` measures that upper bound on CPU."
     )
-    notes.append(
-        f"Commit {machine['commit'] or 'unknown'}"
-        f"{' (with uncommitted changes)' if machine['uncommitted_changes'] else ''}, "
-        f"torch {machine['torch']}, megatron-core {machine['megatron-core']}, "
-        f"host {machine['host']}, {machine['date']}."
-    )
+    notes.append(f"Provenance: {describe(machine)}.")
     return header + "".join(rows) + "\n".join(notes) + "\n"
 
 
 def plot(path: Path, result: dict) -> Path | None:
     """Iteration times, throughput and loss of both arms; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib): no plot written")
+    plt = pyplot("no plot written")
+    if plt is None:
         return None
     colors = {"baseline": "#888888", "domino": "#4477cc"}
     fig, (times, bars, losses) = plt.subplots(1, 3, figsize=(15, 4))
@@ -352,10 +162,7 @@ def plot(path: Path, result: dict) -> Path | None:
         f"{meta.get('model', '')} on {result['gpus']} GPUs, TP={meta.get('tp', '?')}, "
         f"Domino {meta.get('domino', '')}"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def build_result(
@@ -415,7 +222,9 @@ def _meta(text: str) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="megatron-domino-ab-report", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--baseline", type=Path, required=True, help="Log of the baseline run.")
     parser.add_argument("--domino", type=Path, required=True, help="Log of the --domino run.")
     parser.add_argument(
@@ -462,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
             tokens_per_iteration=args.tokens_per_iteration,
         )
     except ReportError as err:
-        print(f"ab_report.py: error: {err}", file=sys.stderr)
+        print(f"megatron-domino-ab-report: error: {err}", file=sys.stderr)
         return 1
     for path in write_report(args.out_dir, result):
         print(f"wrote {path}")

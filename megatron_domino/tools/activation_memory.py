@@ -8,7 +8,7 @@ rank's shard ``[s/tp, b, h]`` and all-gathers it again in backward, so Domino mu
 :func:`saved_bytes` runs one forward under :func:`torch.autograd.graph.saved_tensors_hooks`
 and sums the sizes of the distinct storages autograd saved, parameters left out (they exist
 anyway): what one forward keeps alive until its backward. :func:`measure` does that on
-``tp`` gloo ranks (:mod:`megatron_domino.ranks`) for the stock model and for the same model
+``tp`` gloo ranks (:mod:`megatron_domino.harness.ranks`) for the stock model and for the same model
 with Domino applied, and reports rank 0's numbers (every rank holds the same shapes).
 
 The model is Llama-shaped (:data:`MODEL`: 2 layers, h = 256, s = 128, RMSNorm, SwiGLU, RoPE,
@@ -18,14 +18,16 @@ grouped-query attention with 16 heads and 8 groups, no biases), micro-batch 4, D
 ``tests/te_stand_in.py`` (which keep TE's saving contract: under SP the fused norm + column
 linear keeps its input and norm-output shards and re-gathers the latter in backward).
 
-Command (from a checkout; ``te-stand-in`` imports from ``tests/``)::
+Command (``te-stand-in`` imports ``tests/te_stand_in.py``: run it from a checkout's root, or
+point ``--stand-ins`` at that folder)::
 
-    python -m megatron_domino.activation_memory --tp 2 4 8 --impl local te-stand-in
+    megatron-domino-activation-memory --tp 2 4 8 --impl local te-stand-in
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from dataclasses import asdict, dataclass
@@ -56,7 +58,8 @@ CHUNKS = 2
 #: Layer implementations: name -> ``"module:function"`` returning the layer spec (``None``:
 #: the default local spec).
 IMPLS = {"local": None, "te-stand-in": "te_stand_in:stand_in_te_layer_spec"}
-_TESTS_DIR = Path(__file__).resolve().parents[1] / "tests"
+#: Where ``te_stand_in`` is imported from for ``te-stand-in`` (``--stand-ins``).
+STAND_INS = Path("tests")
 
 
 def saved_bytes(run, exclude: list[torch.Tensor] = ()) -> int:
@@ -99,11 +102,11 @@ def measure_on_rank(
     impls: list[str], model: dict, micro_batch: int, chunks: int
 ) -> dict[str, tuple[int, int]]:
     """On every rank: ``{impl: (stock, domino)}`` saved bytes of one forward of the model."""
+    from megatron_domino.analysis.equivalence import token_batch
+    from megatron_domino.apply import apply_domino
     from megatron_domino.config import DominoConfig
-    from megatron_domino.equivalence import token_batch
-    from megatron_domino.gpt_model import GPTOptions, build_gpt_model
-    from megatron_domino.integration import apply_domino
-    from megatron_domino.ranks import _resolve
+    from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
+    from megatron_domino.harness.ranks import _resolve
 
     options = GPTOptions(**model)
     batch = token_batch(options, micro_batch)
@@ -121,17 +124,23 @@ def measure_on_rank(
 
 def measure(
     tp_sizes, impls=tuple(IMPLS), *, model: dict = MODEL, micro_batch: int = MICRO_BATCH,
-    chunks: int = CHUNKS, timeout_s: float = 600.0,
+    chunks: int = CHUNKS, timeout_s: float = 600.0, stand_ins: Path = STAND_INS,
 ) -> list[Measurement]:  # fmt: skip
-    """One :class:`Measurement` per TP size and implementation (``tp`` CPU ranks per size)."""
-    from megatron_domino.ranks import run_ranks
+    """One :class:`Measurement` per TP size and implementation (``tp`` CPU ranks per size).
 
-    if any(IMPLS[impl] for impl in impls) and str(_TESTS_DIR) not in sys.path:
-        sys.path.insert(0, str(_TESTS_DIR))  # the spawned ranks inherit it
+    ``stand_ins``: the folder ``te_stand_in`` is imported from, unless it imports already
+    (under pytest, ``tests/`` is on the path).
+    """
+    from megatron_domino.harness.ranks import run_ranks
+
+    stand_ins = str(Path(stand_ins).resolve())
+    if any(IMPLS[impl] for impl in impls) and stand_ins not in sys.path:
+        if importlib.util.find_spec("te_stand_in") is None:
+            sys.path.insert(0, stand_ins)  # the spawned ranks inherit it
     results = []
     for tp in tp_sizes:
         found = run_ranks(
-            "megatron_domino.activation_memory:measure_on_rank",
+            "megatron_domino.tools.activation_memory:measure_on_rank",
             tp,
             device="cpu",
             args=(list(impls), model, micro_batch, chunks),
@@ -156,7 +165,7 @@ def _table(results: list[Measurement]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_domino.activation_memory",
+        prog="megatron-domino-activation-memory",
         description="Saved-activation bytes of one forward, stock sequence parallelism vs "
         "Domino (p = 2), on CPU gloo ranks.",
     )
@@ -165,8 +174,14 @@ def main(argv: list[str] | None = None) -> int:
         "--impl", nargs="+", choices=sorted(IMPLS), default=list(IMPLS), help="layer impls"
     )
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument(
+        "--stand-ins",
+        type=Path,
+        default=STAND_INS,
+        help="folder holding te_stand_in.py, for --impl te-stand-in (default: tests)",
+    )
     args = parser.parse_args(argv)
-    results = measure(args.tp, args.impl)
+    results = measure(args.tp, args.impl, stand_ins=args.stand_ins)
     print(
         f"model {MODEL}, micro-batch {MICRO_BATCH}, Domino chunks {CHUNKS}; "
         "bytes autograd saves for one forward (rank 0, parameters excluded)"

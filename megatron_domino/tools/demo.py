@@ -2,26 +2,25 @@
 
 1. Prepare the demo corpus (the Python standard library's own sources) into a SentencePiece
    tokenizer and a Megatron ``.bin/.idx`` dataset under ``data_cache/``; a second run reuses it.
-2. Launch ``torchrun --nproc-per-node 2 pretrain_gpt_domino.py ... --domino --domino-report``
-   exactly as a user would: Megatron-LM's own ``pretrain()`` with its own flags
-   (``--tokenizer-type SentencePieceTokenizer --tokenizer-model ... --data-path ...``), plus the
-   CPU replacements of Megatron-LM's GPU defaults (:data:`CPU_ARGS`). A 4-layer, h=256 GPT
+2. Launch ``torchrun --nproc-per-node 2 -m megatron_domino.training ... --domino
+   --domino-report`` (what ``pretrain_gpt_domino.py`` runs) exactly as a user would:
+   Megatron-LM's own ``pretrain()`` with its own flags (``--tokenizer-type
+   SentencePieceTokenizer --tokenizer-model ... --data-path ...``), plus the CPU replacements
+   of Megatron-LM's GPU defaults (:data:`megatron_domino.training.runs.CPU_FLAGS`). A 4-layer, h=256 GPT
    (RMSNorm, SwiGLU, RoPE) is split over two gloo ranks, with Domino hiding the
    tensor-parallel all-reduces, trained until the loss has clearly fallen, and saved under
-   ``runs/demo/``. The overlap report (:mod:`megatron_domino.overlap_report`) is printed after
+   ``runs/demo/``. The overlap report (:mod:`megatron_domino.analysis.report`) is printed after
    iterations 2 to 4. The log is streamed, less Megatron's listing of all its arguments.
 3. Print the first and last loss, throughput, how much communication Domino hid (the last
    overlap report's totals) and wall time, read back from the run's ``--log-json`` record.
 
 It takes about four minutes on two idle cores (the training run 3 to 4, plus under a minute
 to prepare the data the first time). Flags given to the demo are appended to the training
-flags and win over them (``python -m megatron_domino.demo --train-iters 20``).
+flags and win over them (``megatron-domino-demo --train-iters 20``).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -30,30 +29,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_domino.analysis.report import headline
 from megatron_domino.data.corpus import stdlib_corpus
 from megatron_domino.data.prepare import PreparedData, SentencePieceSettings, prepare
-from megatron_domino.overlap_report import headline
+from megatron_domino.training.runs import cpu_flags, environment, read_records, torchrun_command
 
-#: The training script of this checkout (the package is installed editable from it).
-SCRIPT = Path(__file__).resolve().parent.parent / "pretrain_gpt_domino.py"
 DATA_DIR = Path("data_cache") / "stdlib"
 RUN_DIR = Path("runs") / "demo"
 TENSOR_PARALLEL_SIZE = 2
 #: A smaller vocabulary than a real model's keeps the output layer from dominating the cost.
 VOCAB_SIZE = 8000
-
-#: Megatron-LM's GPU defaults replaced for the CPU (the same as the test suite's
-#: ``tests/launch.py``): gloo instead of NCCL; Megatron-Core's own layers instead of
-#: Transformer Engine's; no Apex persistent LayerNorm, fused weight-gradient accumulation,
-#: fused masked softmax (a CUDA extension) or TE's fused RoPE.
-CPU_ARGS = [
-    "--distributed-backend", "gloo",
-    "--transformer-impl", "local",
-    "--no-persist-layer-norm",
-    "--no-gradient-accumulation-fusion",
-    "--no-masked-softmax-fusion",
-    "--no-rope-fusion",
-]  # fmt: skip
 
 #: Domino on, and its overlap report on the iterations after the first.
 EXTRA_FLAGS: list[str] = ["--domino", "--domino-report"]
@@ -96,28 +81,9 @@ CHECKPOINT_ARGS = [
     "--save-interval", "100",
 ]  # fmt: skip
 
-#: Messages Megatron-Core prints on every CPU run (and again in its checkpoint writer's
-#: process); they say what a CPU machine lacks, which the demo already knows.
-QUIET_WARNINGS = (
-    "Transformer Engine and Apex are not installed",
-    "Apex is not installed",
-    "When using async grad allreduce it is recommended",
-    "full scope is deprecated",
-)
-
 #: Megatron-LM prints every argument (several hundred lines) between these two lines.
 ARGUMENTS_BEGIN = "------------------------ arguments ------------------------"
 ARGUMENTS_END = "-------------------- end of arguments ---------------------"
-
-
-def training_script() -> Path:
-    """``pretrain_gpt_domino.py`` of this checkout; a clear error when it is not there."""
-    if not SCRIPT.is_file():
-        raise FileNotFoundError(
-            f"{SCRIPT} not found: the demo runs from a checkout of megatron-domino "
-            "(pip install -e .), not from an installed wheel."
-        )
-    return SCRIPT
 
 
 def data_args(data: PreparedData) -> list[str]:
@@ -133,7 +99,7 @@ def data_args(data: PreparedData) -> list[str]:
 def training_flags(data: PreparedData, extra: Sequence[str]) -> list[str]:
     """The demo's ``pretrain_gpt_domino.py`` flags; ``extra`` last, so its values win."""
     return [
-        *CPU_ARGS,
+        *cpu_flags(),
         *GPT_MODEL_ARGS,
         *TRAINING_ARGS,
         *MODEL_PARALLEL_ARGS,
@@ -143,13 +109,6 @@ def training_flags(data: PreparedData, extra: Sequence[str]) -> list[str]:
         *EXTRA_FLAGS,
         *extra,
     ]
-
-
-def training_command(flags: Sequence[str]) -> list[str]:
-    """The torchrun command line of the demo's training run."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    nproc = ["--nproc-per-node", str(TENSOR_PARALLEL_SIZE)]
-    return [*torchrun, *nproc, str(training_script()), *flags]
 
 
 def flag_value(flags: Sequence[str], name: str) -> str:
@@ -162,15 +121,8 @@ def flag_value(flags: Sequence[str], name: str) -> str:
 
 
 def training_environment() -> dict[str, str]:
-    return {
-        **os.environ,
-        # The demo is the CPU one; a GPU here would change what it runs and measures.
-        "CUDA_VISIBLE_DEVICES": "",
-        # Megatron-LM asserts it with TP > 1 (on a GPU: kernels start in launch order).
-        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        "PYTHONWARNINGS": ",".join(f"ignore:{message}" for message in QUIET_WARNINGS),
-    }
+    # The demo is the CPU one; a GPU here would change what it runs and measures.
+    return environment(CUDA_VISIBLE_DEVICES="")
 
 
 def stream(command: Sequence[str], env: dict[str, str]) -> int:
@@ -210,7 +162,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log_json.unlink(missing_ok=True)  # the log appends; a new demo starts a new record
     shutil.rmtree(RUN_DIR / "checkpoints", ignore_errors=True)  # and a new checkpoint
     flags = training_flags(data, extra)
-    command = training_command(flags)
+    command = torchrun_command(TENSOR_PARALLEL_SIZE, flags)
     print("[demo] " + " ".join(command), flush=True)
     status = stream(command, training_environment())
     if status != 0:
@@ -223,10 +175,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def summary(log_json: Path, *, tokens_per_iteration: int, wall_seconds: float) -> str:
     """The demo's closing lines, computed from the run's JSON-lines record."""
-    records = [json.loads(line) for line in log_json.read_text().splitlines()]
-    steps = [r for r in records if r["kind"] == "train"]
-    validation = [r for r in records if r["kind"] == "validation"]
-    overlap = [r for r in records if r["kind"] == "domino_report"]
+    steps = read_records(log_json, "train")
+    validation = read_records(log_json, "validation")
+    overlap = read_records(log_json, "domino_report")
     seconds = statistics.median(r["seconds"] for r in steps[1:] or steps)
     lines = [
         "",

@@ -1,22 +1,23 @@
 """Loss parity: train the same model twice, without and with ``--domino``, and compare losses.
 
-    python -m megatron_domino.loss_parity                        # a tiny TP = 2 model, 30 iterations
-    python -m megatron_domino.loss_parity --train-iters 100 --hidden-size 128
-    python -m megatron_domino.loss_parity --domino-flags "--domino-column-chunks 2" \\
+    megatron-domino-loss-parity                  # a tiny TP = 2 model, 30 iterations
+    megatron-domino-loss-parity --train-iters 100 --hidden-size 128
+    megatron-domino-loss-parity --domino-flags "--domino-column-chunks 2" \\
         --data-path DIR/text_document --tokenizer-type SentencePieceTokenizer \\
         --tokenizer-model DIR/tokenizer.model
 
-Both arms are ``torchrun --nproc-per-node N pretrain_gpt_domino.py`` (Megatron-LM's own
-``pretrain()`` and flags) with the same flags (so the same seed, data order and initial
+(also ``python -m megatron_domino.tools.loss_parity``). Both arms are ``torchrun
+--nproc-per-node N -m megatron_domino.training`` (``pretrain_gpt_domino.py``'s body:
+Megatron-LM's own ``pretrain()`` and flags) with the same flags (so the same seed, data order and initial
 weights); the Domino arm adds ``--domino`` and ``--domino-flags``. Each arm's ``--log-json``
 gives its per-iteration loss curve (Megatron's own log lines average over ``--log-interval``).
 The defaults use Megatron-Core's local layers (``--transformer-impl local``) and, on a machine
 without CUDA, the CPU replacements of Megatron-LM's other GPU defaults
-(:data:`megatron_domino.demo.CPU_ARGS`). Writes, under ``--output-dir`` (default
+(:data:`megatron_domino.training.runs.CPU_FLAGS`). Writes, under ``--output-dir`` (default
 ``loss_parity/``):
 
 * ``loss_parity.json``: both curves, the largest absolute and relative difference and where,
-  the flags, and the commit, versions and machine;
+  the flags, and the commit, versions and machine (:mod:`megatron_domino.tools.provenance`);
 * ``loss_parity.png``: both curves and their difference (needs matplotlib);
 * ``baseline.jsonl``/``domino.jsonl`` and ``baseline.log``/``domino.log``: each arm's records
   and output.
@@ -38,11 +39,7 @@ a pass/fail exit status.
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
-import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -51,7 +48,9 @@ from pathlib import Path
 
 import torch
 
-from megatron_domino.demo import CPU_ARGS, QUIET_WARNINGS, SCRIPT, training_script
+from megatron_domino.tools.plots import pyplot, save
+from megatron_domino.tools.provenance import provenance
+from megatron_domino.training.runs import cpu_flags, environment, read_records, torchrun_command
 
 ARMS = ("baseline", "domino")
 
@@ -81,7 +80,7 @@ MODEL_PARALLEL_ARGS = ["--tensor-model-parallel-size", "2"]
 
 def platform_args() -> list[str]:
     """The CPU replacements of Megatron-LM's GPU defaults, on a machine without CUDA."""
-    return [] if torch.cuda.is_available() else list(CPU_ARGS)
+    return [] if torch.cuda.is_available() else cpu_flags()
 
 
 def default_data_args(output_dir: Path) -> list[str]:
@@ -111,7 +110,7 @@ class LossParityError(ValueError):
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     """The command's own flags, and the training flags (everything else)."""
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_domino.loss_parity",
+        prog="megatron-domino-loss-parity",
         description="Train without and with --domino (same flags, seed and data) and compare "
         "the loss curves. Unknown flags are training flags of pretrain_gpt_domino.py, "
         "appended to a tiny TP = 2 mock-data default.",
@@ -171,25 +170,13 @@ def arm_flags(
     }
 
 
-def launch_command(nproc: int, flags: list[str]) -> list[str]:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return [*torchrun, "--nproc-per-node", str(nproc), str(training_script()), *flags]
-
-
 def run_arm(name: str, command: list[str], log_path: Path) -> None:
     """Run one arm, streaming its output (prefixed) and keeping it in ``log_path``."""
     print(f"[loss-parity] {name}: {shlex.join(command)}", flush=True)
-    env = {
-        **os.environ,
-        # Megatron-LM asserts it with TP > 1 (on a GPU: kernels start in launch order).
-        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-        "PYTHONWARNINGS": ",".join(f"ignore:{message}" for message in QUIET_WARNINGS),
-    }
     with (
         log_path.open("w", encoding="utf-8") as log,
         subprocess.Popen(
-            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            command, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         ) as process,
     ):
         for line in process.stdout:
@@ -204,8 +191,7 @@ def run_arm(name: str, command: list[str], log_path: Path) -> None:
 
 def read_losses(log_json: Path) -> dict[int, float]:
     """Training loss per iteration from a ``--log-json`` file."""
-    records = [json.loads(line) for line in log_json.read_text().splitlines() if line.strip()]
-    return {r["iteration"]: r["loss"] for r in records if r["kind"] == "train"}
+    return {r["iteration"]: r["loss"] for r in read_records(log_json, "train")}
 
 
 def compare(baseline: dict[int, float], domino: dict[int, float]) -> dict:
@@ -233,50 +219,10 @@ def compare(baseline: dict[int, float], domino: dict[int, float]) -> dict:
     }
 
 
-def provenance() -> dict:
-    """Commit, versions and machine, recorded beside the numbers."""
-    repo = SCRIPT.parent
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(
-                ["git", "-C", str(repo), *args],
-                capture_output=True,
-                text=True,
-                timeout=20,
-                check=False,
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    status = git("status", "--porcelain")
-    info = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "host": platform.node(),
-        "machine": platform.machine(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "commit": git("rev-parse", "HEAD"),
-        "uncommitted_changes": None if status is None else bool(status),
-    }
-    for package in ("torch", "megatron-core", "megatron-domino"):
-        try:
-            info[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            info[package] = None
-    return info
-
-
 def plot(path: Path, result: dict) -> Path | None:
     """Both loss curves, and their absolute difference on a log scale; None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[loss-parity] matplotlib is not installed (pip install matplotlib): no plot")
+    plt = pyplot("no loss_parity.png")
+    if plt is None:
         return None
     curves = result["curves"]
     fig, (losses, diffs) = plt.subplots(1, 2, figsize=(11, 4))
@@ -302,10 +248,7 @@ def plot(path: Path, result: dict) -> Path | None:
         "iterations bit-identical",
     )
     fig.suptitle("loss parity: " + " ".join(result["domino_flags"] or ["--domino"]))
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -317,13 +260,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         output_dir.mkdir(parents=True, exist_ok=True)
         flags = arm_flags(output_dir, training_flags, domino_flags)
         for arm in ARMS:
-            run_arm(arm, launch_command(args.nproc_per_node, flags[arm]), output_dir / f"{arm}.log")
+            run_arm(
+                arm, torchrun_command(args.nproc_per_node, flags[arm]), output_dir / f"{arm}.log"
+            )
         result = {
             **compare(*(read_losses(output_dir / f"{arm}.jsonl") for arm in ARMS)),
             "tolerance": args.tolerance,
             "training_flags": training_flags,
             "domino_flags": ["--domino", *domino_flags],
-            "commands": {arm: launch_command(args.nproc_per_node, flags[arm]) for arm in ARMS},
+            "commands": {arm: torchrun_command(args.nproc_per_node, flags[arm]) for arm in ARMS},
             "provenance": provenance(),
         }
     except LossParityError as err:

@@ -11,7 +11,7 @@ forward, and a backward uses the labels its forward created, so swapping between
 Every rank records, so the ranks keep the same pace (a rank that did not record would reach
 its waits earlier and distort the others' exposed times) and computes its own totals; the last
 rank (the one that writes ``--log-json``) prints its report
-(:mod:`megatron_domino.overlap_report`) and writes its totals as
+(:mod:`megatron_domino.analysis.report`) and writes its totals as
 ``{"kind": "domino_report", "iteration", ...}``. The reported iterations pay for recording
 (a Python call per event, a CUDA event on GPU), so their times are slightly higher.
 """
@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from megatron_domino.overlap import collective_spans
-from megatron_domino.overlap_report import report_lines, report_totals
+from megatron_domino.analysis.report import report_lines, report_totals
+from megatron_domino.analysis.spans import collective_spans
 from megatron_domino.recorder import EventRecorder
 from megatron_domino.state import DominoRuntime
 

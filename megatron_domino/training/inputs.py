@@ -38,9 +38,9 @@ from megatron.training.checkpointing import get_loaded_iteration
 from megatron.training.utils import get_blend_and_blend_per_split
 from torch.distributed.checkpoint.api import CheckpointException
 
-from megatron_domino.cpu_runtime import Patch
 from megatron_domino.data.checks import check_indexed_dataset, check_sentencepiece_model
 from megatron_domino.data.files import PREPARE_COMMAND, DataFileError, require_readable_file
+from megatron_domino.harness.patch import Patch
 
 __all__ = ["CheckpointError", "check_run_inputs", "clear_load_errors"]
 

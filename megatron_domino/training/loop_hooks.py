@@ -10,6 +10,10 @@ by step needs a per-iteration source. The hooks wrap two functions the loop look
   "seconds"}``); with ``--domino-report``, the steps of the reported iterations run with an
   :class:`~megatron_domino.recorder.EventRecorder` in every model chunk's Domino runtime, and
   the overlap report is printed after them (:mod:`.domino_report`);
+  with ``--domino-chunks auto``, each step's time (the slowest rank's) goes to the tuner,
+  which switches the setting between steps (:meth:`.DominoModelHook.tune`); the report
+  records only once the tuner is done, and the choice is printed and written as
+  ``{"kind": "domino_auto", "iteration", "choice", "medians_s", "rounds"}``;
 * ``evaluate`` (inside ``evaluate_and_print_results``, which names the set): with
   ``--log-json``, ``{"kind": "validation", "iteration", "loss", "final"}`` (``"test"`` for the
   test set); ``final`` is true for the evaluations Megatron runs after the last iteration,
@@ -24,14 +28,14 @@ synchronisation.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
 import torch
 from megatron.training import training as megatron_training
 
-from megatron_domino.cpu_runtime import Patch
+from megatron_domino.harness.patch import Patch
+from megatron_domino.training.runs import append_record
 
 __all__ = ["LoopHooks", "add_loop_hook_args"]
 
@@ -78,11 +82,14 @@ class LoopHooks:
     Args:
         log_json: path of the JSON-lines file (``--log-json``), or ``None``.
         domino_report: the overlap report (``--domino-report``), or ``None``.
+        domino_hook: Domino's model hook, whose tuner (``--domino-chunks auto``) gets the
+            step times; ``None`` without ``--domino``.
     """
 
-    def __init__(self, log_json: str | None, domino_report=None) -> None:
+    def __init__(self, log_json: str | None, domino_report=None, domino_hook=None) -> None:
         self._log_json = Path(log_json) if log_json else None
         self._domino_report = domino_report
+        self._domino_hook = domino_hook
         self._train_step = megatron_training.train_step
         self._evaluate = megatron_training.evaluate
         self._evaluate_and_print_results = megatron_training.evaluate_and_print_results
@@ -102,18 +109,17 @@ class LoopHooks:
 
     def write(self, record: dict) -> None:
         """Append ``record`` to ``--log-json`` (on the last rank only)."""
-        if self._log_json is None or not _is_last_rank():
-            return
-        self._log_json.parent.mkdir(parents=True, exist_ok=True)
-        with self._log_json.open("a") as log:
-            log.write(json.dumps(record) + "\n")
+        if self._log_json is not None and _is_last_rank():
+            append_record(self._log_json, record)
 
     def train_step(self, *args, iteration: int | None = None, **kwargs):
         """Megatron's ``train_step`` (``iteration`` steps done before it), recorded."""
         step = iteration + 1
         optimizer = args[3] if len(args) > 3 else kwargs["optimizer"]
         learning_rate = optimizer.param_groups[0]["lr"]  # the one this step applies
-        recording = self._domino_report.recording if self._domino_report else None
+        tuning = self._domino_hook is not None and self._domino_hook.tuning
+        report = self._domino_report if not tuning else None
+        recording = report.recording if report else None
         _synchronize()
         start = time.perf_counter()
         if recording is not None:
@@ -136,9 +142,23 @@ class LoopHooks:
                     "seconds": seconds,
                 }
             )
-        if self._domino_report is not None:
-            self._domino_report.report(step, self.write)
+        if tuning:
+            self._tune(step, seconds)
+        elif report is not None:
+            report.report(step, self.write)
         return result
+
+    def _tune(self, step: int, seconds: float) -> None:
+        """Feed the slowest rank's step time to the tuner; say what it chose when done."""
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+        hook = self._domino_hook
+        hook.tune(float(slowest))
+        if not hook.tuning:
+            if torch.distributed.get_rank() == 0:
+                print(hook.tuner.summary(), flush=True)
+            self.write({"kind": "domino_auto", "iteration": step, **hook.tuner.record_dict()})
 
     def evaluate_and_print_results(self, prefix, *args, **kwargs):
         """Megatron's evaluation of one set; names the set and iteration for :meth:`evaluate`.

@@ -4,18 +4,25 @@ The order is Megatron-LM's, with Domino's pieces where Megatron-LM leaves room f
 
 1. the Megatron-Core that is imported is checked against the tested releases;
 2. Megatron's own ``parse_and_validate_args`` parses every Megatron-LM flag, with
-   ``extra_args_provider`` adding ``--domino*`` (:func:`~megatron_domino.megatron_lm.add_domino_args`)
+   ``extra_args_provider`` adding ``--domino*`` (:func:`~megatron_domino.config.add_domino_args`)
    and this script's ``--log-json``/``--domino-report``; right after Megatron's
-   ``validate_args``, and before it builds the tokenizer or opens any log, Domino's own checks
-   run (:func:`~megatron_domino.megatron_lm.check_args`, the flags this GPT path does not
-   implement, and the files the run reads: :func:`.inputs.check_run_inputs`), so a bad command
-   line or a bad input file fails before anything is written;
+   ``validate_args``, and before it builds the tokenizer or opens any log, the checks run:
+   with ``--domino`` Domino's (:func:`~megatron_domino.megatron_lm.check_args`, which builds
+   the one :class:`~megatron_domino.config.DominoConfig` of the run), the flags this GPT path
+   does not implement, and the files the run reads (:func:`.inputs.check_run_inputs`), so a
+   bad command line or a bad input file fails before anything is written;
 3. the model config is Megatron-LM's (``gpt_config_from_args``), with Domino's pre-wrap hook
-   (every model chunk, before ``Float16Module``/DDP) and a check that the model-parallel
-   layout and the TP RNG streams are the ones asked for;
+   (every model chunk, before ``Float16Module``/DDP;
+   :func:`~megatron_domino.megatron_lm.add_hook`) and a check that the model-parallel layout
+   and the TP RNG streams are the ones asked for;
 4. ``megatron.training.pretrain`` runs the rest, inside :func:`.loop_runtime.megatron_loop_runtime`
    and with :class:`.loop_hooks.LoopHooks` around its ``train_step`` and ``evaluate``; a
    checkpoint that does not fit fails with one line (:func:`.inputs.clear_load_errors`).
+
+Without ``--domino`` the run imports, of Domino, only its flags and errors
+(:mod:`megatron_domino.config`, no torch) and the version check: nothing that patches,
+schedules or refuses (``megatron_domino.megatron_lm`` and everything below it are imported
+only with ``--domino``).
 """
 
 from __future__ import annotations
@@ -34,10 +41,15 @@ from megatron.training import arguments as megatron_arguments
 from megatron.training import pretrain
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 
-from megatron_domino.config import DominoConfigError, DominoUnsupportedError
-from megatron_domino.cpu_runtime import Patch
+from megatron_domino.config import (
+    DominoConfig,
+    DominoConfigError,
+    DominoUnsupportedError,
+    add_domino_args,
+)
 from megatron_domino.data.files import DataFileError
-from megatron_domino.distributed import export_torchrun_environment
+from megatron_domino.harness.distributed import export_torchrun_environment
+from megatron_domino.harness.patch import Patch
 from megatron_domino.training.gpt_steps import (
     forward_step,
     train_valid_test_datasets_provider,
@@ -59,13 +71,12 @@ class StartupError(ValueError):
 
 
 def _extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    from megatron_domino.megatron_lm import add_domino_args
-
     return add_loop_hook_args(add_domino_args(parser))
 
 
-def _script_checks(args: argparse.Namespace) -> None:
-    """Checks of this script's own flags and of what its GPT path implements."""
+def _script_checks(args: argparse.Namespace) -> DominoConfig | None:
+    """Checks of this script's own flags and of what its GPT path implements; the run's
+    Domino config (``None`` without ``--domino``)."""
     unsupported = unsupported_flags(args)
     if unsupported:
         raise StartupError(
@@ -82,18 +93,38 @@ def _script_checks(args: argparse.Namespace) -> None:
         raise StartupError("--domino-report reports Domino's overlap; add --domino.")
     if args.domino_report_iters < 1:
         raise StartupError(f"--domino-report-iters must be >= 1, got {args.domino_report_iters}.")
+    domino_config = None
     if args.domino:
         from megatron_domino.megatron_lm import check_args
 
-        check_args(args)
+        domino_config = check_args(args)
+        _check_tuning_fits(args, domino_config)
     check_run_inputs(args)
+    return domino_config
 
 
-def _validate_then_check(validate_args):
+def _check_tuning_fits(args: argparse.Namespace, domino_config) -> None:
+    """With ``--domino-chunks auto``, the run must be long enough to try every candidate."""
+    from megatron_domino.autotune import AutoTuner
+
+    if not isinstance(domino_config, AutoTuner) or args.train_iters is None:
+        return
+    if args.train_iters < domino_config.iterations:
+        raise StartupError(
+            f"--domino-chunks auto needs {domino_config.iterations} iterations to time its candidates "
+            f"({domino_config!r}), but --train-iters is {args.train_iters}: train longer, "
+            "lower --domino-auto-iters, or give --domino-chunks a number."
+        )
+
+
+def _validate_then_check(validate_args, checked: list):
+    """Megatron's ``validate_args``, then :func:`_script_checks`, whose result goes into
+    ``checked``."""
+
     @functools.wraps(validate_args)
     def wrapper(args, defaults=None):
         validated = validate_args(args, defaults or {})
-        _script_checks(args)
+        checked.append(_script_checks(args))
         return validated
 
     return wrapper
@@ -129,36 +160,38 @@ def _announce(domino_config, model_chunks: list) -> list:
     return model_chunks
 
 
-def _parse_args() -> argparse.Namespace:
+def _parse_args() -> tuple[argparse.Namespace, DominoConfig | None]:
+    """Megatron's parsed and validated arguments, and the run's Domino config."""
+    checked: list = []
     validate = Patch(
         megatron_arguments,
         "validate_args",
-        _validate_then_check(megatron_arguments.validate_args),
+        _validate_then_check(megatron_arguments.validate_args, checked),
         "Domino's checks run after Megatron's validation, before anything is written.",
     )
     with validate.applied():
-        return megatron_arguments.parse_and_validate_args(
+        args = megatron_arguments.parse_and_validate_args(
             extra_args_provider=_extra_args, args_defaults=ARGS_DEFAULTS
         )
+    return args, checked[-1]
 
 
 def _run() -> None:
-    args = _parse_args()
+    args, domino_config = _parse_args()
     model_config = gpt_config_from_args(args)
     model_config.pre_wrap_hooks.append(functools.partial(_check_layout, args))
-    domino_report = domino_config = None
-    if args.domino:
-        from megatron_domino.megatron_lm import attach
+    domino_report = hook = None
+    if domino_config is not None:
+        from megatron_domino.megatron_lm import add_hook
         from megatron_domino.training.domino_report import DominoOverlapReport
 
-        hook = attach(model_config, args)
-        domino_config = hook.config
+        hook = add_hook(model_config, domino_config)
         if args.domino_report:
             domino_report = DominoOverlapReport(
                 lambda: [handle.runtime for handle in hook.handles], args.domino_report_iters
             )
     model_config.pre_wrap_hooks.append(functools.partial(_announce, domino_config))
-    hooks = LoopHooks(args.log_json, domino_report)
+    hooks = LoopHooks(args.log_json, domino_report, hook)
     with contextlib.ExitStack() as stack:
         for patch in (*hooks.patches(), clear_load_errors()):
             stack.enter_context(patch.applied())

@@ -36,8 +36,8 @@ def namespace_unavailable_reason() -> str | None:
 
 
 def reexec_in_private_namespace(argv: list[str]) -> int:
-    """Run ``python -m megatron_domino.bench argv`` again inside a private network namespace."""
-    command = [sys.executable, "-m", "megatron_domino.bench", *argv]
+    """Run ``python -m megatron_domino.tools.bench argv`` again inside a private network namespace."""
+    command = [sys.executable, "-m", "megatron_domino.tools.bench", *argv]
     quoted = " ".join(_quote(part) for part in command)
     env = dict(os.environ, **{INSIDE_ENV: "1"})
     # TCP restarts slow start after an idle gap (between steps), which a real interconnect's

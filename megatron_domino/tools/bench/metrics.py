@@ -11,6 +11,12 @@ With ``T_base`` (unpatched), ``T_dom`` (Domino), ``T_oracle`` (no TP communicati
   for one, skips the masked upper triangle of causal attention, so ``T_noop < T_oracle``
   there and ``hidden_fraction`` alone would count that compute saving as hidden
   communication.
+* ``roofline_efficiency = (T_base - T_dom) / (T_base - max(T_noop, T_comm))`` per phase
+  (``_fwd``, ``_bwd``; the total's bound is the sum of the phases' bounds), where ``T_comm``
+  is the comm-only arm of the setting: its collectives alone
+  (:mod:`megatron_domino.tools.bench.comm_only`). 1 is as much as any schedule of these
+  collectives could hide; unlike ``hidden_fraction`` it does not ask the impossible where a
+  phase's communication outlasts its compute.
 * ``speedup = T_base / T_dom``
 * ``chunk_overhead = T_noop / T_oracle``
 * ``peak_mem_ratio`` = Domino's peak memory over the baseline's
@@ -31,6 +37,12 @@ ROW_FIELDS = (
     "speedup",
     "chunk_overhead",
     "peak_mem_ratio",
+    "comm_only_fwd_s",
+    "comm_only_bwd_s",
+    "roofline_efficiency",
+    "roofline_efficiency_fwd",
+    "roofline_efficiency_bwd",
+    "collectives",
     "arms",
     "recorder_overlapped_fraction_fwd",
     "recorder_overlapped_fraction_bwd",
@@ -46,6 +58,27 @@ def _hidden(arms: dict, domino_arm: str, part: str) -> float:
     return (
         (base - _median(arms, domino_arm, part)) / (base - oracle)
         if base > oracle
+        else float("nan")
+    )
+
+
+def _bound(arms: dict, setting: str, part: str) -> float:
+    """The fastest a perfectly overlapped ``part`` could run: ``max(T_noop, T_comm)``."""
+    phases = ("fwd", "bwd") if part == "total" else (part,)
+    return sum(
+        max(
+            _median(arms, f"domino_noop[{setting}]", phase),
+            _median(arms, f"comm_only[{setting}]", phase),
+        )
+        for phase in phases
+    )
+
+
+def _roofline(arms: dict, setting: str, part: str) -> float:
+    base, bound = _median(arms, "baseline", part), _bound(arms, setting, part)
+    return (
+        (base - _median(arms, f"domino[{setting}]", part)) / (base - bound)
+        if base > bound
         else float("nan")
     )
 
@@ -74,7 +107,16 @@ def setting_rows(result: dict) -> list[dict]:
                 "chunk_overhead": _median(arms, noop) / _median(arms, "oracle"),
                 "peak_mem_ratio": result["peak_memory_bytes"][arm]
                 / result["peak_memory_bytes"]["baseline"],
-                "arms": {name: arms[name]["total"] for name in ("baseline", "oracle", arm, noop)},
+                "comm_only_fwd_s": _median(arms, f"comm_only[{setting}]", "fwd"),
+                "comm_only_bwd_s": _median(arms, f"comm_only[{setting}]", "bwd"),
+                "roofline_efficiency": _roofline(arms, setting, "total"),
+                "roofline_efficiency_fwd": _roofline(arms, setting, "fwd"),
+                "roofline_efficiency_bwd": _roofline(arms, setting, "bwd"),
+                "collectives": result["collectives"][setting],
+                "arms": {
+                    name: arms[name]["total"]
+                    for name in ("baseline", "oracle", arm, noop, f"comm_only[{setting}]")
+                },
                 "recorder_overlapped_fraction_fwd": _overlapped(overlap["fwd"]),
                 "recorder_overlapped_fraction_bwd": _overlapped(overlap["bwd"]),
             }
@@ -86,3 +128,16 @@ def _overlapped(summary: dict) -> float:
     """Share of the collectives' in-flight time the caller did not spend blocked in a wait."""
     flight = summary["in_flight_s"]
     return 1 - summary["exposed_s"] / flight if flight > 0 else float("nan")
+
+
+def auto_check(result: dict) -> dict | None:
+    """``--domino-chunks auto``'s choice against the fastest setting by the arms' medians:
+    ``ratio`` is ``T_dom(choice) / T_dom(fastest)`` (1 when it picked the fastest)."""
+    auto = result.get("auto")
+    if auto is None:
+        return None
+    arms = result["arms"]
+    medians = {setting: _median(arms, f"domino[{setting}]") for setting in result["case"]["domino"]}
+    fastest = min(medians, key=medians.get)
+    ratio = medians[auto["choice"]] / medians[fastest]
+    return {**auto, "fastest": fastest, "ratio": ratio, "within_2pct": ratio <= 1.02}

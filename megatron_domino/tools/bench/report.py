@@ -9,12 +9,37 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megatron_domino.tools.plots import pyplot, save
+
 TABLE_HEADER = (
     "| case | setting | TP | p | k | link Mbit/s | T_base ms | T_dom ms | T_oracle ms | comm share "
-    "| hidden | hidden fwd | hidden bwd | hidden over own floor | speedup | chunk overhead "
+    "| hidden | hidden fwd | hidden bwd | hidden over own floor | T_comm fwd / bwd ms "
+    "| roofline eff. | roofline fwd | roofline bwd | speedup | chunk overhead "
     "| peak mem ratio |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
 )
+
+
+AUTO_HEADER = (
+    "\n| case | auto chose | fastest measured | T_dom(choice) / T_dom(fastest) "
+    "| tuner medians ms |\n|---|---|---|---|---|\n"
+)
+
+
+def _auto_table(cases: list[dict]) -> str:
+    """``--domino-chunks auto``'s choice per case against the arms' fastest setting."""
+    checked = [case for case in cases if case.get("auto")]
+    if not checked:
+        return ""
+    lines = [AUTO_HEADER]
+    for case in checked:
+        auto = case["auto"]
+        medians = ", ".join(f"{name} {s * 1e3:.0f}" for name, s in auto["medians_s"].items())
+        lines.append(
+            f"| {case['name']} | {auto['choice']} | {auto['fastest']} | {auto['ratio']:.3f} "
+            f"| {medians} |\n"
+        )
+    return "".join(lines)
 
 
 def markdown_table(cases: list[dict]) -> str:
@@ -31,10 +56,12 @@ def markdown_table(cases: list[dict]) -> str:
                 f"| {arms['oracle']['median_s'] * 1e3:.0f} | {row['comm_share']:.0%} "
                 f"| {row['hidden_fraction']:.0%} | {row['hidden_fraction_fwd']:.0%} "
                 f"| {row['hidden_fraction_bwd']:.0%} | {row['hidden_over_own_floor']:.0%} "
-                f"| {row['speedup']:.3f} "
+                f"| {row['comm_only_fwd_s'] * 1e3:.0f} / {row['comm_only_bwd_s'] * 1e3:.0f} "
+                f"| {row['roofline_efficiency']:.0%} | {row['roofline_efficiency_fwd']:.0%} "
+                f"| {row['roofline_efficiency_bwd']:.0%} | {row['speedup']:.3f} "
                 f"| {row['chunk_overhead']:.3f} | {row['peak_mem_ratio']:.3f} |\n"
             )
-    return "".join(lines)
+    return "".join(lines) + _auto_table(cases)
 
 
 def write_artefacts(out_dir: Path, run: dict) -> list[Path]:
@@ -43,17 +70,42 @@ def write_artefacts(out_dir: Path, run: dict) -> list[Path]:
     written = [out_dir / "latest.json", out_dir / "table.md"]
     written[0].write_text(json.dumps(run, indent=1))
     written[1].write_text(markdown_table(run["cases"]))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-    except ImportError:
-        print("matplotlib is not installed (pip install 'megatron-domino[plot]'): no plots written")
+    if pyplot("no plots written") is None:
         return written
     for case in run["cases"]:
         written.append(_plot_arms(out_dir / f"arms_{case['name']}.png", case))
         written.append(_plot_timeline(out_dir / f"timeline_{case['name']}.png", case))
+        written.append(_plot_roofline(out_dir / f"roofline_{case['name']}.png", case))
     return written
+
+
+def _plot_roofline(path: Path, case: dict) -> Path:
+    """Per setting and phase: the hidden fraction next to the roofline efficiency."""
+    import matplotlib.pyplot as plt
+
+    rows = case["rows"]
+    metrics = [
+        ("hidden_fraction_fwd", "hidden fwd", "#e83"),
+        ("roofline_efficiency_fwd", "roofline fwd", "#a40"),
+        ("hidden_fraction_bwd", "hidden bwd", "#47c"),
+        ("roofline_efficiency_bwd", "roofline bwd", "#137"),
+    ]
+    fig, ax = plt.subplots(figsize=(max(6, 1.5 * len(rows)), 4))
+    width = 0.8 / len(metrics)
+    for index, (key, label, color) in enumerate(metrics):
+        ax.bar(
+            [r + index * width for r in range(len(rows))],
+            [row[key] for row in rows],
+            width,
+            label=label,
+            color=color,
+        )
+    ax.set_xticks([r + 0.4 - width / 2 for r in range(len(rows))], [row["setting"] for row in rows])
+    ax.axhline(1.0, color="#888", linewidth=0.8)
+    ax.set_ylabel("fraction")
+    ax.legend(fontsize="small")
+    ax.set_title(f"{case['name']}: hidden fraction and roofline efficiency per phase")
+    return save(fig, path)
 
 
 def _plot_arms(path: Path, case: dict) -> Path:
@@ -79,10 +131,7 @@ def _plot_arms(path: Path, case: dict) -> Path:
         f"{case['name']}: TP={case['tensor_model_parallel_size']}, "
         f"link {case['link_mbit'] or 'plain loopback'} Mbit/s"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)
 
 
 def _plot_timeline(path: Path, case: dict) -> Path:
@@ -119,7 +168,4 @@ def _plot_timeline(path: Path, case: dict) -> Path:
     fig.suptitle(
         f"{case['name']}, Domino {setting}: compute (blue) and collectives in flight (orange)"
     )
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)

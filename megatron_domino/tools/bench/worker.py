@@ -1,6 +1,6 @@
 """One benchmark rank: time the arms side by side on the same model, weights and batch.
 
-Run under ``torchrun`` (the launcher in :mod:`megatron_domino.bench.__main__` does it inside a
+Run under ``torchrun`` (the launcher in :mod:`megatron_domino.tools.bench.__main__` does it inside a
 rate-limited network namespace). Every iteration runs each arm once, in an order that rotates
 from iteration to iteration so slow drift of the machine hits every arm alike. Forward
 (model + loss) and backward are timed separately, after a barrier, on every rank; the
@@ -10,6 +10,12 @@ reported time of an iteration is the slowest rank's. Arms:
 * ``domino``: the same model with ``apply_domino`` for each Domino setting.
 * ``oracle``: unpatched, every tensor-parallel collective a no-op.
 * ``domino_noop``: Domino with no-op collectives (the cost of chunking alone).
+After the timed rounds, with two or more settings, ``--domino-chunks auto``'s tuner
+(:class:`~megatron_domino.autotune.AutoTuner`) picks one of them from its own short
+measurement, so the report can check its choice against the arms' medians.
+
+* ``comm_only``: the collectives one step of ``baseline`` or of a Domino setting performs,
+  same sizes and order, with no compute (:mod:`megatron_domino.tools.bench.comm_only`).
 """
 
 from __future__ import annotations
@@ -24,14 +30,16 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from megatron_domino.bench.noop_collectives import tp_collectives_skipped
+from megatron_domino.analysis.spans import collective_spans, summarize
+from megatron_domino.apply import apply_domino
+from megatron_domino.autotune import AutoTuner
 from megatron_domino.config import DominoConfig
-from megatron_domino.cpu_runtime import runtime_for_device
-from megatron_domino.distributed import destroy_distributed, init_distributed
-from megatron_domino.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
-from megatron_domino.integration import apply_domino
-from megatron_domino.overlap import collective_spans, summarize
+from megatron_domino.harness.cpu_runtime import runtime_for_device
+from megatron_domino.harness.distributed import destroy_distributed, init_distributed
+from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
 from megatron_domino.recorder import EventRecorder
+from megatron_domino.tools.bench.comm_only import CollectiveLog, replay, tp_collectives_logged
+from megatron_domino.tools.bench.noop_collectives import tp_collectives_skipped
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,8 +63,9 @@ def _batch(options: GPTOptions, micro_batch_size: int, device) -> dict:
     }
 
 
-def _timed_step(model, batch) -> tuple[float, float]:
-    """Forward+loss and backward wall times of one micro-batch, slowest rank's."""
+def _timed_step(model, batch, log: CollectiveLog | None = None) -> tuple[float, float]:
+    """Forward+loss and backward wall times of one micro-batch, slowest rank's; ``log``, if
+    given, is told which phase runs (for :func:`tp_collectives_logged`)."""
     cuda = torch.cuda.is_available()
     model.zero_grad(set_to_none=True)
     dist.barrier()
@@ -65,6 +74,8 @@ def _timed_step(model, batch) -> tuple[float, float]:
     if cuda:
         torch.cuda.synchronize()
     mid = time.perf_counter()
+    if log is not None:
+        log.phase = "bwd"
     loss.backward()
     if cuda:
         torch.cuda.synchronize()
@@ -93,6 +104,28 @@ def _peak_memory_bytes(model, batch) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         _timed_step(model, batch)
     return sum(storages.values())
+
+
+def _auto_choice(model, batch, candidates: list[DominoConfig]) -> dict:
+    """What ``--domino-chunks auto`` picks among ``candidates``, timing micro-batch steps as
+    the training loop times iterations (slowest rank's, so every rank picks the same)."""
+    tuner = AutoTuner(candidates)
+    while not tuner.done:
+        with apply_domino(model, tuner.current):
+            fwd, bwd = _timed_step(model, batch)
+        tuner.record(fwd + bwd)
+    return tuner.record_dict()
+
+
+def _comm_only_step(log: CollectiveLog, tp_group):
+    """The comm-only arm of the step ``log`` recorded: its phases' collectives replayed."""
+    calls = {phase: log.of_phase(phase) for phase in ("fwd", "bwd")}
+    buffers = {phase: {} for phase in calls}
+
+    def step() -> tuple[float, float]:
+        return tuple(replay(calls[phase], tp_group, buffers[phase]) for phase in ("fwd", "bwd"))
+
+    return step
 
 
 def _stats(samples: list[float]) -> dict:
@@ -127,8 +160,28 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
         arms[f"domino[{name}]"] = arm(config, False)
         arms[f"domino_noop[{name}]"] = arm(config, True)
 
-    samples = {name: {"fwd": [], "bwd": [], "total": []} for name in arms}
-    names = list(arms)
+    def step_of(name: str):
+        def step() -> tuple[float, float]:
+            with arms[name]():
+                return _timed_step(model, batch)
+
+        return step
+
+    steps = {name: step_of(name) for name in arms}
+    collectives = {}
+    for name in ["baseline", *settings]:
+        log = CollectiveLog()
+        with arms["baseline" if name == "baseline" else f"domino[{name}]"]():
+            with tp_collectives_logged(tp_group, log):
+                _timed_step(model, batch, log)
+        collectives[name] = {
+            phase: {"count": len(log.of_phase(phase)), "bytes": log.bytes_of_phase(phase)}
+            for phase in ("fwd", "bwd")
+        }
+        steps[f"comm_only[{name}]"] = _comm_only_step(log, tp_group)
+
+    samples = {name: {"fwd": [], "bwd": [], "total": []} for name in steps}
+    names = list(steps)
     rank0 = dist.get_rank() == 0
     for iteration in range(warmup + iters):
         if rank0:
@@ -139,12 +192,13 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
             )
         shift = iteration % len(names)
         for name in names[shift:] + names[:shift]:
-            with arms[name]():
-                fwd, bwd = _timed_step(model, batch)
+            fwd, bwd = steps[name]()
             if iteration >= warmup:
                 samples[name]["fwd"].append(fwd)
                 samples[name]["bwd"].append(bwd)
                 samples[name]["total"].append(fwd + bwd)
+
+    auto = _auto_choice(model, batch, list(settings.values())) if len(settings) > 1 else None
 
     overlap, timelines = {}, {}
     for name, config in settings.items():
@@ -167,6 +221,8 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
             name: {part: _stats(v) for part, v in parts.items()} for name, parts in samples.items()
         },
         "samples": samples,
+        "collectives": collectives,
+        "auto": auto,
         "recorder_overlap": overlap,
         "timelines": timelines,
         "peak_memory_bytes": peak_memory,

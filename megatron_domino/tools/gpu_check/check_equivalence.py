@@ -1,12 +1,12 @@
 """Part 1: Domino computes what unpatched Megatron-Core computes, on the device, at TP = 2.
 
 Two ranks (two processes sharing the GPU, gloo) build each model once, then
-:func:`megatron_domino.equivalence.compare_with_stock` (the comparison the CPU test suite
+:func:`megatron_domino.analysis.equivalence.compare_with_stock` (the comparison the CPU test suite
 makes) runs the stock block, Domino for each setting, and stock again after ``revert``. fp32:
 the per-token loss and every gradient within ``atol 1e-6, rtol 1e-5`` of stock. bf16: stock and
 Domino both measured against an fp32 model with the same weights, and Domino's norm-relative
 error on the loss and on each gradient within 1.5 x stock's own
-(:data:`megatron_domino.equivalence.BF16_BOUND`). Always: no collective left in flight, and
+(:data:`megatron_domino.analysis.equivalence.BF16_BOUND`). Always: no collective left in flight, and
 the reverted model reproducing the reference up to the run-to-run difference of two stock runs.
 
 Cases are (flavour, dtype, setting): ``p2``, ``p2-k2`` and ``s2`` on the plain model, ``sp-p2``
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from itertools import groupby
 
-__all__ = ["CASE_SETTINGS", "equivalence_rank", "merge_ranks", "plan"]
+__all__ = ["CASE_SETTINGS", "equivalence_rank", "merge_ranks", "plan", "summary", "table"]
 
-#: Settings compared, by model kind (see :data:`megatron_domino.gpu_check.models.SETTINGS`).
+#: Settings compared (names: :mod:`megatron_domino.harness.settings`).
 CASE_SETTINGS = ("p2", "p2-k2", "s2", "sp-p2", "sp-s2")
 #: The bf16-only numbers of a row (``None`` in fp32 rows), merged over ranks by their maximum.
 BF16_FIELDS = (
@@ -54,7 +54,7 @@ def _say(message: str) -> None:
 def _bf16_numbers(result, stock_errors: dict[str, float], bound) -> dict[str, object]:
     """Row fields of a bf16 setting: worst gradient errors against fp32 (Domino's and stock's,
     each over all gradients), the loss's, and the largest share of the bound used."""
-    from megatron_domino.equivalence import worst_gradient_error
+    from megatron_domino.analysis.equivalence import worst_gradient_error
 
     errors = result.relative_errors
     name, worst = worst_gradient_error(errors)
@@ -73,21 +73,21 @@ def equivalence_rank(
 ) -> dict[str, object]:
     """Run ``cases`` on this rank; one result dict per case, plus a ``revert`` row per model.
 
-    Entry point for :func:`~megatron_domino.ranks.run_ranks` (``init="megatron"``).
+    Entry point for :func:`~megatron_domino.harness.ranks.run_ranks` (``init="megatron"``).
     """
-    from megatron_domino.equivalence import (
+    from megatron_domino.analysis.equivalence import (
         RelativeErrorBound,
         compare_with_stock,
         fp32_reference_model,
         token_batch,
         tolerance_for,
     )
-    from megatron_domino.gpu_check.host_staging import host_staged
-    from megatron_domino.gpu_check.models import (
+    from megatron_domino.harness.settings import setting
+    from megatron_domino.tools.gpu_check.host_staging import host_staged
+    from megatron_domino.tools.gpu_check.models import (
         MICRO_BATCH,
         build_on_device,
         configure_cuda_numerics,
-        domino_config,
         model_options,
     )
 
@@ -95,11 +95,11 @@ def equivalence_rank(
     rows = []
 
     def model_key(case):
-        return (case["dtype"], case["flavour"], domino_config(case["setting"])[1])
+        return (case["dtype"], case["flavour"], setting(case["setting"]).sequence_parallel)
 
     with host_staged(staged, verify_on=device):
         for (dtype, flavour, sequence_parallel), group in groupby(cases, key=model_key):
-            settings = {case["setting"]: domino_config(case["setting"])[0] for case in group}
+            settings = {case["setting"]: setting(case["setting"]).config for case in group}
             options = model_options(
                 flavour,
                 quick=quick,
@@ -182,3 +182,57 @@ def merge_ranks(per_rank: list[dict]) -> list[dict]:
             row["worst_tensor"] = max(rows, key=lambda r: r["domino_error"])["worst_tensor"]
         merged.append(row)
     return merged
+
+
+def summary(rows: list[dict], cases: int) -> str:
+    """The summary table's line: checks passed, the worst fp32 difference, the worst bf16 use
+    of the bound."""
+    failed = [r for r in rows if not r["passed"]]
+    summary = (
+        f"{len(rows) - len(failed)} of {len(rows)} checks passed ({cases} Domino cases + revert)"
+    )
+    fp32 = [r for r in rows if r["dtype"] == "float32" and "revert" not in r["setting"]]
+    if fp32:
+        worst = max(fp32, key=lambda r: r["max_error"])
+        summary += (
+            f"; fp32 largest |Domino - stock| {worst['max_error']:.2e} ({worst['flavour']} "
+            f"{worst['setting']}, {worst['tolerance']})"
+        )
+    bf16 = [r for r in rows if r["domino_error"] is not None]
+    if bf16:
+        worst = max(bf16, key=lambda r: r["limit_use"])
+        summary += (
+            f"; bf16 vs fp32, worst gradient Domino {max(r['domino_error'] for r in bf16):.2e} "
+            f"/ stock {max(r['stock_error'] for r in bf16):.2e}, at most "
+            f"{worst['limit_use']:.2f} of the bound ({worst['flavour']} {worst['setting']}, "
+            f"{worst['tolerance']})"
+        )
+    return summary
+
+
+def table(rows: list[dict]) -> str:
+    """One line per case: the difference from stock, and in bf16 the errors against fp32."""
+
+    def pair(row: dict, domino: str, stock: str) -> str:
+        return "-" if row[domino] is None else f"{row[domino]:.2e} / {row[stock]:.2e}"
+
+    table = (
+        "| model | dtype | setting | max abs diff vs stock | worst gradient vs fp32 "
+        "(Domino / stock) | loss vs fp32 (Domino / stock) | share of bound | criterion | "
+        "result |\n|---|---|---|---|---|---|---|---|---|\n"
+    )
+    return table + "\n".join(
+        f"| {r['flavour']} | {r['dtype']} | {r['setting']} | {r['max_error']:.2e} | "
+        f"{pair(r, 'domino_error', 'stock_error')} | {pair(r, 'loss_error', 'stock_loss_error')} | "
+        f"{'-' if r['limit_use'] is None else format(r['limit_use'], '.2f')} | {r['tolerance']} | "
+        f"{'passed' if r['passed'] else 'FAILED: ' + _row_problem(r)} |"
+        for r in rows
+    )
+
+
+def _row_problem(row: dict) -> str:
+    if row["left_pending"]:
+        return f"{row['left_pending']} collectives left in flight"
+    if row["mismatches"]:
+        return f"{row['mismatch_count']} tensors off, e.g. {row['mismatches'][0][:160]}"
+    return "outside tolerance"

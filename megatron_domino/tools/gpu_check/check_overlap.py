@@ -3,7 +3,7 @@
 On two ranks sharing the GPU, one step (forward and backward) per setting is recorded with
 :class:`~megatron_domino.recorder.EventRecorder` (CUDA events on the GPU, wall clock with
 ``--device cpu``) after one warm-up step, and checked with the criteria the CPU overlap tests
-use (:mod:`megatron_domino.schedule_checks`): the number of collectives per direction and
+use (:mod:`megatron_domino.analysis.criteria`): the number of collectives per direction and
 kind, nothing left in flight after the forward or the backward, and each collective having
 overlapped another chunk's (or piece's) compute. The recorder's totals (in-flight and exposed
 time per direction) are reported as measured; over gloo on one GPU they describe this setup,
@@ -12,7 +12,7 @@ not an NVLink system.
 
 from __future__ import annotations
 
-__all__ = ["OVERLAP_SETTINGS", "LAYERS", "merge_ranks", "overlap_rank"]
+__all__ = ["OVERLAP_SETTINGS", "LAYERS", "merge_ranks", "overlap_rank", "summary", "table"]
 
 #: Settings recorded: row chunks, chunks with column pieces, pieces alone, and SP.
 OVERLAP_SETTINGS = ("p2", "p2-k2", "p1-k2", "s2", "sp-p2", "sp-s2")
@@ -20,7 +20,7 @@ LAYERS = 3
 
 
 def _totals(spans, direction: str) -> dict:
-    from megatron_domino.overlap import summarize
+    from megatron_domino.analysis.spans import summarize
 
     summary = summarize(spans, direction)
     return dict(
@@ -38,8 +38,8 @@ def _describe(span) -> str:
 
 def _record_step(model, batch, config, use_cuda_events: bool):
     """One warm-up step, then one recorded step; the spans and what was left pending."""
-    from megatron_domino.integration import apply_domino
-    from megatron_domino.overlap import collective_spans
+    from megatron_domino.analysis.spans import collective_spans
+    from megatron_domino.apply import apply_domino
     from megatron_domino.recorder import EventRecorder
 
     recorder = EventRecorder(use_cuda_events=use_cuda_events)
@@ -59,30 +59,31 @@ def _record_step(model, batch, config, use_cuda_events: bool):
 def overlap_rank(settings: list[str], device: str, quick: bool, staged: list[str]) -> list[dict]:
     """Record and check each setting on this rank; one result dict per setting.
 
-    Entry point for :func:`~megatron_domino.ranks.run_ranks` (``init="megatron"``).
+    Entry point for :func:`~megatron_domino.harness.ranks.run_ranks` (``init="megatron"``).
     """
     import torch.distributed as dist
 
-    from megatron_domino.equivalence import token_batch
-    from megatron_domino.gpu_check.host_staging import host_staged
-    from megatron_domino.gpu_check.models import (
-        MICRO_BATCH,
-        build_on_device,
-        domino_config,
-        model_options,
-    )
-    from megatron_domino.schedule_checks import (
+    from megatron_domino.analysis.criteria import (
         collective_counts,
         count_mismatches,
         overlap_criterion,
         overlap_violations,
     )
+    from megatron_domino.analysis.equivalence import token_batch
+    from megatron_domino.harness.settings import setting
+    from megatron_domino.tools.gpu_check.host_staging import host_staged
+    from megatron_domino.tools.gpu_check.models import (
+        MICRO_BATCH,
+        build_on_device,
+        model_options,
+    )
 
     rows = []
     models = {}
     with host_staged(staged, verify_on=device):
-        for setting in settings:
-            config, sequence_parallel = domino_config(setting)
+        for name in settings:
+            named = setting(name)
+            config, sequence_parallel = named.config, named.sequence_parallel
             if sequence_parallel not in models:
                 options = model_options(
                     "llama",
@@ -112,7 +113,7 @@ def overlap_rank(settings: list[str], device: str, quick: bool, staged: list[str
             counts = collective_counts(spans)
             rows.append(
                 dict(
-                    setting=setting,
+                    setting=name,
                     passed=not problems,
                     problems=problems,
                     counts={f"{d} {k}": n for (d, k), n in sorted(counts.items())},
@@ -125,7 +126,7 @@ def overlap_rank(settings: list[str], device: str, quick: bool, staged: list[str
             if dist.get_rank() == 0:
                 fwd, bwd = rows[-1]["fwd"], rows[-1]["bwd"]
                 print(
-                    f"[gpu_check rank 0] overlap {setting}: {fwd['collectives']} fwd / "
+                    f"[gpu_check rank 0] overlap {name}: {fwd['collectives']} fwd / "
                     f"{bwd['collectives']} bwd collectives, exposed {fwd['exposed_ms']:.2f} / "
                     f"{bwd['exposed_ms']:.2f} ms of {fwd['in_flight_ms']:.2f} / "
                     f"{bwd['in_flight_ms']:.2f} ms in flight -> "
@@ -144,3 +145,36 @@ def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
         row["problems"] = [f"rank {i}: {p}" for i, r in enumerate(rows) for p in r["problems"]]
         merged.append(row)
     return merged
+
+
+def summary(rows: list[dict], timing: str) -> str:
+    """The summary table's line: settings passed, rank 0's exposed and in-flight times."""
+    failed = [r for r in rows if not r["passed"]]
+    fwd_exposed = sum(r["fwd"]["exposed_ms"] for r in rows)
+    fwd_flight = sum(r["fwd"]["in_flight_ms"] for r in rows)
+    bwd_exposed = sum(r["bwd"]["exposed_ms"] for r in rows)
+    bwd_flight = sum(r["bwd"]["in_flight_ms"] for r in rows)
+    summary = (
+        f"{len(rows) - len(failed)} of {len(rows)} settings: counts, nothing pending, overlap "
+        f"criteria hold; rank 0 exposed/in-flight ({timing}): fwd {fwd_exposed:.2f}/"
+        f"{fwd_flight:.2f} ms, bwd {bwd_exposed:.2f}/{bwd_flight:.2f} ms"
+    )
+    return summary
+
+
+def table(rows: list[dict]) -> str:
+    """One line per setting: counts, overlap, exposed and in-flight times."""
+    table = (
+        "| setting | collectives (fwd / bwd) | overlapped (fwd / bwd) | fwd exposed / in flight | "
+        "bwd exposed / in flight | hidden (fwd / bwd) | result |\n|---|---|---|---|---|---|---|\n"
+    )
+    table += "\n".join(
+        f"| {r['setting']} | {r['fwd']['collectives']} / {r['bwd']['collectives']} | "
+        f"{r['fwd']['overlapped']} / {r['bwd']['overlapped']} | "
+        f"{r['fwd']['exposed_ms']:.2f} / {r['fwd']['in_flight_ms']:.2f} ms | "
+        f"{r['bwd']['exposed_ms']:.2f} / {r['bwd']['in_flight_ms']:.2f} ms | "
+        f"{r['fwd']['hidden_fraction']:.0%} / {r['bwd']['hidden_fraction']:.0%} | "
+        f"{'passed' if r['passed'] else 'FAILED: ' + '; '.join(r['problems'][:2])} |"
+        for r in rows
+    )
+    return table

@@ -1,4 +1,4 @@
-"""``python -m megatron_domino.gpu_check``: the one-command GPU check, and its flags.
+"""``python -m megatron_domino.tools.gpu_check``: the one-command GPU check, and its flags.
 
 Runs, each within a time budget and printing progress: the gloo probe (part 0), Domino vs
 unpatched Megatron-Core on the device (part 1), the recorded schedule's structure (part 2) and
@@ -10,7 +10,7 @@ Exit status: 0 when every part ran and passed; 1 when a part failed; 2 when the 
 device is missing; 3 when nothing failed but a part or a case inside one was skipped (a
 missing package, a collective gloo lacks under ``--host-staging never``): no part is skipped
 by design on either device, so a skip means the check is incomplete, and it says which and
-why in the summary's Overall line (:func:`~megatron_domino.gpu_check.results.verdict`).
+why in the summary's Overall line (:func:`~megatron_domino.tools.gpu_check.results.verdict`).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_domino.gpu_check import gemm, parts
-from megatron_domino.gpu_check.results import (
+from megatron_domino.tools.gpu_check import gemm, parts
+from megatron_domino.tools.gpu_check.results import (
     EXIT_STATUS,
     environment,
     summary_table,
@@ -76,7 +76,7 @@ def _budget(text: str) -> tuple[str, float]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m megatron_domino.gpu_check",
+        prog="megatron-domino-gpu-check",
         description="Domino on one GPU: equivalence with Megatron-Core (TP=2 as two processes "
         "over gloo), the recorded overlap structure with CUDA events, and GEMM efficiency "
         "per chunking. Prints a Markdown summary table last.",
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         print(
             f"{NO_CUDA} (torch {torch.__version__}: torch.cuda.is_available() is False). "
-            "To test this script's logic on the CPU: python -m megatron_domino.gpu_check "
+            "To test this script's logic on the CPU: python -m megatron_domino.tools.gpu_check "
             "--device cpu --quick",
             file=sys.stderr,
         )
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             break
         run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{attempt}")
     parts.say(
-        f"{env['gpu'] or 'CPU'}, torch {env['torch']}, megatron-core {env['megatron_core']}; "
+        f"{env['gpu'] or 'CPU'}, torch {env['torch']}, megatron-core {env['megatron-core']}; "
         f"parts: {', '.join(args.parts)}; results -> {run_dir}"
     )
     results = []

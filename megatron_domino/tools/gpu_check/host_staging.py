@@ -1,6 +1,6 @@
 """TEST-ONLY shim: run a gloo collective on device tensors by staging them through host memory.
 
-Where the probe (:mod:`megatron_domino.gpu_check.probe`) finds that this torch's gloo cannot
+Where the probe (:mod:`megatron_domino.tools.gpu_check.probe`) finds that this torch's gloo cannot
 run a collective on CUDA tensors, the GPU check can still compare Domino with stock
 Megatron-Core on the GPU: inside :func:`host_staged`, each named collective copies its device
 input to a host tensor, runs gloo there (blocking, or ``async_op=True`` with a work object), and
@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_domino.cpu_runtime import Patch
+from megatron_domino.harness.patch import Patch
 
 __all__ = ["STAGEABLE", "host_staged"]
 
@@ -145,7 +145,7 @@ def host_staged(collectives: Iterable[str], *, verify_on: str | None = None) -> 
         for patch in _patches(names):
             stack.enter_context(patch.applied())
         if names and verify_on is not None:
-            from megatron_domino.gpu_check.probe import probe_collectives
+            from megatron_domino.tools.gpu_check.probe import probe_collectives
 
             failed = [o for o in probe_collectives(verify_on) if o.collective in names and not o.ok]
             if failed:

@@ -1,4 +1,6 @@
-"""The small GPT models the GPU check's equivalence and overlap parts run, and their settings.
+"""The small GPT models the GPU check's equivalence and overlap parts run.
+
+The Domino settings they run are named as everywhere (:mod:`megatron_domino.harness.settings`).
 
 Two flavours cover what Domino patches differently: ``gpt`` (LayerNorm, GeLU, learned
 positions, biases, multi-head attention) and ``llama`` (RMSNorm, SwiGLU, rotary positions,
@@ -13,34 +15,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_domino.config import DominoConfig
-
 if TYPE_CHECKING:  # the parent process plans with this module and never imports Megatron-Core
-    from megatron_domino.gpt_model import GPTOptions
+    from megatron_domino.harness.gpt_model import GPTOptions
 
 __all__ = [
     "FLAVOURS",
     "MICRO_BATCH",
     "NEEDS",
-    "SETTINGS",
     "build_on_device",
     "configure_cuda_numerics",
-    "domino_config",
     "model_options",
 ]
 
 MICRO_BATCH = 4
-
-#: Domino settings the GPU check runs: name -> (DominoConfig fields, sequence parallelism).
-SETTINGS: dict[str, tuple[dict, bool]] = {
-    "p2": (dict(chunks=2), False),
-    "p2-k2": (dict(chunks=2, column_chunks=2), False),
-    "p1-k2": (dict(chunks=1, column_chunks=2), False),
-    "sp-p2": (dict(chunks=2), True),
-    "s2": (dict(chunks=2, split_along="sequence"), False),
-    # The sequence split under SP (chunk-major layout), as Megatron-LM runs TE at micro-batch 1.
-    "sp-s2": (dict(chunks=2, split_along="sequence"), True),
-}
 
 #: The collectives a model needs, by sequence parallelism (Domino's and Megatron-Core's own:
 #: embedding, cross-entropy, and under SP the gathers and scatters around every TP region).
@@ -56,7 +43,7 @@ def model_options(
     flavour: str, *, quick: bool, bf16: bool, sequence_parallel: bool, num_layers: int = 2
 ) -> GPTOptions:
     """The model of one flavour; dropout is off so Domino and stock draw nothing."""
-    from megatron_domino.gpt_model import GPTOptions
+    from megatron_domino.harness.gpt_model import GPTOptions
 
     size = (
         dict(hidden_size=64, seq_length=16, vocab_size=300)
@@ -88,12 +75,6 @@ def model_options(
     raise ValueError(f"unknown flavour {flavour!r}; choose from {', '.join(FLAVOURS)}.")
 
 
-def domino_config(setting: str) -> tuple[DominoConfig, bool]:
-    """The :class:`DominoConfig` of a named setting, and whether it needs sequence parallelism."""
-    fields, sequence_parallel = SETTINGS[setting]
-    return DominoConfig(**fields), sequence_parallel
-
-
 def build_on_device(options: GPTOptions, device: str) -> torch.nn.Module:
     """This rank's GPTModel on ``device``, prepared as Megatron-LM's training script does.
 
@@ -105,7 +86,7 @@ def build_on_device(options: GPTOptions, device: str) -> torch.nn.Module:
     """
     from megatron.core.transformer.module import Float16Module
 
-    from megatron_domino.gpt_model import build_gpt_model
+    from megatron_domino.harness.gpt_model import build_gpt_model
 
     model = build_gpt_model(options)
     if device == "cuda":

@@ -1,11 +1,15 @@
 """The four parts of the GPU check, as the parent process runs them, each within a budget.
 
-Each function returns a :class:`~megatron_domino.gpu_check.results.PartResult` and never
+Each function returns a :class:`~megatron_domino.tools.gpu_check.results.PartResult` and never
 raises for a failure of the thing it checks: a rank that crashes or hangs past the budget is a
 ``failed`` part with the traceback's last lines as the reason. A part that cannot run is
 ``skipped`` with the reason, and cases a part had to leave out are its ``skipped_cases``: the
 run's verdict counts both as incomplete, never as passed. The parent imports neither
-Megatron-Core nor the model code; the ranks do (:mod:`megatron_domino.ranks`).
+Megatron-Core nor the model code; the ranks do (:mod:`megatron_domino.harness.ranks`).
+
+The four parts stay in one module (about 400 lines): each is the same shape, a budgeted run
+of ranks turned into one verdict, and the summary table reads them side by side. What a part's
+rows mean (their summary line and table) is in the part's own module.
 """
 
 from __future__ import annotations
@@ -14,11 +18,11 @@ import importlib.util
 import time
 from collections.abc import Callable
 
-from megatron_domino.gpu_check import check_equivalence, check_overlap, gemm, probe
-from megatron_domino.gpu_check.models import SETTINGS
-from megatron_domino.gpu_check.probe import Collectives, staging_plan
-from megatron_domino.gpu_check.results import PartResult
-from megatron_domino.ranks import RankFailure, run_ranks
+from megatron_domino.harness.ranks import RankFailure, run_ranks
+from megatron_domino.harness.settings import setting
+from megatron_domino.tools.gpu_check import check_equivalence, check_overlap, gemm, probe
+from megatron_domino.tools.gpu_check.probe import Collectives, staging_plan
+from megatron_domino.tools.gpu_check.results import PartResult
 
 __all__ = [
     "Collectives",
@@ -82,7 +86,7 @@ def run_probe(device: str, budget_s: float) -> tuple[PartResult, dict[str, bool 
     title = "0. gloo probe"
     start = time.monotonic()
     per_rank, failed_part = _run_part_ranks(
-        "megatron_domino.gpu_check.probe:probe_rank",
+        "megatron_domino.tools.gpu_check.probe:probe_rank",
         name="probe",
         title=title,
         budget_s=budget_s,
@@ -149,11 +153,38 @@ def _run_part_ranks(
         )
 
 
-def _skipped(name: str, title: str, reason: str, budget_s: float) -> PartResult:
+def _skipped(
+    name: str,
+    title: str,
+    reason: str,
+    budget_s: float,
+    notes: list[str] | None = None,
+    skipped_cases: list[str] | None = None,
+) -> PartResult:
     say(f"{name}: skipped: {reason}")
     return PartResult(
-        name=name, title=title, status="skipped", summary="", reason=reason, budget_s=budget_s
+        name=name,
+        title=title,
+        status="skipped",
+        summary="",
+        reason=reason,
+        budget_s=budget_s,
+        notes=notes or [],
+        skipped_cases=skipped_cases or [],
     )
+
+
+def _runnable(items, collectives: Collectives, name_of) -> tuple[list, list[tuple]]:
+    """``(items that can run, [(item, collectives it lacks), ...])``: a setting on a
+    sequence-parallel model needs gathers and scatters that gloo may lack on the device."""
+    runnable, skipped = [], []
+    for item in items:
+        missing = collectives.missing_for(setting(name_of(item)).sequence_parallel)
+        if missing:
+            skipped.append((item, missing))
+        else:
+            runnable.append(item)
+    return runnable, skipped
 
 
 def run_equivalence(
@@ -164,13 +195,9 @@ def run_equivalence(
     unavailable = model_parts_unavailable()
     if unavailable:
         return _skipped("equivalence", title, unavailable, budget_s)
-    cases, skipped = [], []
-    for case in check_equivalence.plan(device=device, quick=quick):
-        missing = collectives.missing_for(SETTINGS[case["setting"]][1])
-        if missing:
-            skipped.append((case, missing))
-        else:
-            cases.append(case)
+    cases, skipped = _runnable(
+        check_equivalence.plan(device=device, quick=quick), collectives, lambda c: c["setting"]
+    )
     notes = collectives.staging_note()
     skipped_cases = [
         f"{c['flavour']} {c['dtype']} {c['setting']}: gloo cannot run {', '.join(m)} on "
@@ -181,17 +208,14 @@ def run_equivalence(
         reason = f"every case needs a collective gloo lacks on {device}: " + "; ".join(
             sorted({", ".join(m) for _, m in skipped})
         )
-        part = _skipped("equivalence", title, reason, budget_s)
-        part.notes = notes
-        part.skipped_cases = skipped_cases
-        return part
+        return _skipped("equivalence", title, reason, budget_s, notes, skipped_cases)
     say(
         f"equivalence: {len(cases)} cases on 2 ranks ({device}), budget {budget_s:.0f} s, "
         f"staged: {', '.join(collectives.staged) or 'nothing'}"
     )
     start = time.monotonic()
     per_rank, failed_part = _run_part_ranks(
-        "megatron_domino.gpu_check.check_equivalence:equivalence_rank",
+        "megatron_domino.tools.gpu_check.check_equivalence:equivalence_rank",
         name="equivalence",
         title=title,
         budget_s=budget_s,
@@ -204,26 +228,7 @@ def run_equivalence(
         return failed_part
     rows = check_equivalence.merge_ranks(per_rank)
     failed = [r for r in rows if not r["passed"]]
-    summary = (
-        f"{len(rows) - len(failed)} of {len(rows)} checks passed ({len(cases)} Domino cases "
-        "+ revert)"
-    )
-    fp32 = [r for r in rows if r["dtype"] == "float32" and "revert" not in r["setting"]]
-    if fp32:
-        worst = max(fp32, key=lambda r: r["max_error"])
-        summary += (
-            f"; fp32 largest |Domino - stock| {worst['max_error']:.2e} ({worst['flavour']} "
-            f"{worst['setting']}, {worst['tolerance']})"
-        )
-    bf16 = [r for r in rows if r["domino_error"] is not None]
-    if bf16:
-        worst = max(bf16, key=lambda r: r["limit_use"])
-        summary += (
-            f"; bf16 vs fp32, worst gradient Domino {max(r['domino_error'] for r in bf16):.2e} "
-            f"/ stock {max(r['stock_error'] for r in bf16):.2e}, at most "
-            f"{worst['limit_use']:.2f} of the bound ({worst['flavour']} {worst['setting']}, "
-            f"{worst['tolerance']})"
-        )
+    summary = check_equivalence.summary(rows, len(cases))
     if skipped:
         summary += f"; {len(skipped)} cases skipped"
     return PartResult(
@@ -245,36 +250,8 @@ def run_equivalence(
             "skipped": [dict(c, missing=m) for c, m in skipped],
             "numerics": per_rank[0]["numerics"],
         },
-        table=_equivalence_table(rows),
+        table=check_equivalence.table(rows),
     )
-
-
-def _equivalence_table(rows: list[dict]) -> str:
-    """One line per case: the difference from stock, and in bf16 the errors against fp32."""
-
-    def pair(row: dict, domino: str, stock: str) -> str:
-        return "-" if row[domino] is None else f"{row[domino]:.2e} / {row[stock]:.2e}"
-
-    table = (
-        "| model | dtype | setting | max abs diff vs stock | worst gradient vs fp32 "
-        "(Domino / stock) | loss vs fp32 (Domino / stock) | share of bound | criterion | "
-        "result |\n|---|---|---|---|---|---|---|---|---|\n"
-    )
-    return table + "\n".join(
-        f"| {r['flavour']} | {r['dtype']} | {r['setting']} | {r['max_error']:.2e} | "
-        f"{pair(r, 'domino_error', 'stock_error')} | {pair(r, 'loss_error', 'stock_loss_error')} | "
-        f"{'-' if r['limit_use'] is None else format(r['limit_use'], '.2f')} | {r['tolerance']} | "
-        f"{'passed' if r['passed'] else 'FAILED: ' + _row_problem(r)} |"
-        for r in rows
-    )
-
-
-def _row_problem(row: dict) -> str:
-    if row["left_pending"]:
-        return f"{row['left_pending']} collectives left in flight"
-    if row["mismatches"]:
-        return f"{row['mismatch_count']} tensors off, e.g. {row['mismatches'][0][:160]}"
-    return "outside tolerance"
 
 
 def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: float) -> PartResult:
@@ -283,25 +260,20 @@ def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: fl
     unavailable = model_parts_unavailable()
     if unavailable:
         return _skipped("overlap", title, unavailable, budget_s)
-    settings, skipped = [], []
-    for setting in check_overlap.OVERLAP_SETTINGS:
-        missing = collectives.missing_for(SETTINGS[setting][1])
-        (skipped if missing else settings).append(setting)
+    settings, skipped = _runnable(check_overlap.OVERLAP_SETTINGS, collectives, lambda s: s)
     notes = collectives.staging_note()
     skipped_cases = [
         f"{s}: a collective it needs is unsupported on {device} and --host-staging is never"
-        for s in skipped
+        for s, _ in skipped
     ]
     if not settings:
-        part = _skipped("overlap", title, "every setting needs a missing collective", budget_s)
-        part.notes = notes
-        part.skipped_cases = skipped_cases
-        return part
+        reason = "every setting needs a missing collective"
+        return _skipped("overlap", title, reason, budget_s, notes, skipped_cases)
     timing = "CUDA events" if device == "cuda" else "wall clock"
     say(f"overlap: {', '.join(settings)} on 2 ranks, {timing}, budget {budget_s:.0f} s")
     start = time.monotonic()
     per_rank, failed_part = _run_part_ranks(
-        "megatron_domino.gpu_check.check_overlap:overlap_rank",
+        "megatron_domino.tools.gpu_check.check_overlap:overlap_rank",
         name="overlap",
         title=title,
         budget_s=budget_s,
@@ -314,28 +286,7 @@ def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: fl
         return failed_part
     rows = check_overlap.merge_ranks(per_rank)
     failed = [r for r in rows if not r["passed"]]
-    fwd_exposed = sum(r["fwd"]["exposed_ms"] for r in rows)
-    fwd_flight = sum(r["fwd"]["in_flight_ms"] for r in rows)
-    bwd_exposed = sum(r["bwd"]["exposed_ms"] for r in rows)
-    bwd_flight = sum(r["bwd"]["in_flight_ms"] for r in rows)
-    summary = (
-        f"{len(rows) - len(failed)} of {len(rows)} settings: counts, nothing pending, overlap "
-        f"criteria hold; rank 0 exposed/in-flight ({timing}): fwd {fwd_exposed:.2f}/"
-        f"{fwd_flight:.2f} ms, bwd {bwd_exposed:.2f}/{bwd_flight:.2f} ms"
-    )
-    table = (
-        "| setting | collectives (fwd / bwd) | overlapped (fwd / bwd) | fwd exposed / in flight | "
-        "bwd exposed / in flight | hidden (fwd / bwd) | result |\n|---|---|---|---|---|---|---|\n"
-    )
-    table += "\n".join(
-        f"| {r['setting']} | {r['fwd']['collectives']} / {r['bwd']['collectives']} | "
-        f"{r['fwd']['overlapped']} / {r['bwd']['overlapped']} | "
-        f"{r['fwd']['exposed_ms']:.2f} / {r['fwd']['in_flight_ms']:.2f} ms | "
-        f"{r['bwd']['exposed_ms']:.2f} / {r['bwd']['in_flight_ms']:.2f} ms | "
-        f"{r['fwd']['hidden_fraction']:.0%} / {r['bwd']['hidden_fraction']:.0%} | "
-        f"{'passed' if r['passed'] else 'FAILED: ' + '; '.join(r['problems'][:2])} |"
-        for r in rows
-    )
+    summary = check_overlap.summary(rows, timing)
     notes.append(
         (
             "exposed/in-flight times are two ranks on one GPU over gloo (reductions on the "
@@ -358,8 +309,8 @@ def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: fl
         budget_s=budget_s,
         notes=notes,
         skipped_cases=skipped_cases,
-        details={"settings": rows, "skipped": skipped},
-        table=table,
+        details={"settings": rows, "skipped": [s for s, _ in skipped]},
+        table=check_overlap.table(rows),
     )
 
 

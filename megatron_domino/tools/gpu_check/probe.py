@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_domino.gpu_check.models import NEEDS
+from megatron_domino.tools.gpu_check.models import NEEDS
 
 __all__ = [
     "COLLECTIVES",
@@ -118,7 +118,7 @@ def probe_collectives(device: str) -> list[ProbeOutcome]:
 
 
 def probe_rank(device: str) -> list[ProbeOutcome]:
-    """Entry point for :func:`~megatron_domino.ranks.run_ranks` (``init="plain"``)."""
+    """Entry point for :func:`~megatron_domino.harness.ranks.run_ranks` (``init="plain"``)."""
     if device == "cuda":
         torch.cuda.set_device(0)
     return probe_collectives(device)

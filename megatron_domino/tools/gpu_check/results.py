@@ -11,20 +11,16 @@ then the summary table) into one directory per run.
 
 from __future__ import annotations
 
-import datetime
 import json
-import platform
-import subprocess
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from pathlib import Path
 
-import torch
+from megatron_domino.tools.provenance import describe, provenance
 
 __all__ = ["PartResult", "environment", "summary_table", "verdict", "write_results"]
 
 STATUSES = ("passed", "failed", "skipped")
-#: The run's verdicts, and the exit status of ``python -m megatron_domino.gpu_check`` for each
+#: The run's verdicts, and the exit status of ``python -m megatron_domino.tools.gpu_check`` for each
 #: (2 is taken: no CUDA device).
 EXIT_STATUS = {"passed": 0, "failed": 1, "incomplete": 3}
 
@@ -65,45 +61,10 @@ class PartResult:
             raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}.")
 
 
-def _version(distribution: str) -> str | None:
-    try:
-        return metadata.version(distribution)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _git_commit() -> str | None:
-    try:
-        done = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip() or None
-
-
 def environment(device: str) -> dict[str, object]:
-    """Date, machine, device and versions, for the report."""
-    cuda = device == "cuda"
-    return {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": device,
-        "gpu": torch.cuda.get_device_name(0) if cuda else None,
-        "gpu_count": torch.cuda.device_count() if cuda else 0,
-        "cuda": torch.version.cuda,
-        "torch": torch.__version__,
-        "megatron_core": _version("megatron-core"),
-        "megatron_domino": _version("megatron-domino"),
-        "transformer_engine": _version("transformer-engine") or _version("transformer_engine"),
-        "git_commit": _git_commit(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-    }
+    """Date, machine, device and versions, for the report (a
+    :func:`~megatron_domino.tools.provenance.provenance` record with the device)."""
+    return provenance(device=device)
 
 
 def _cell(text: str) -> str:
@@ -144,10 +105,8 @@ def verdict(parts: list[PartResult]) -> tuple[str, str]:
 
 def summary_table(env: dict, parts: list[PartResult], results_path: Path | None = None) -> str:
     """The Markdown summary: one row per part, then the overall verdict and the caveats."""
-    machine = env["gpu"] or f"CPU ({env['processor']})"
     lines = [
-        f"## GPU check summary: {machine}, torch {env['torch']}, megatron-core "
-        f"{env['megatron_core']}, {env['date']}",
+        f"## GPU check summary: {describe(env)}",
         "",
         "| part | status | time | result |",
         "|---|---|---|---|",

@@ -1,0 +1,135 @@
+"""What Domino binds onto a model: one table, read by :mod:`.apply` and by :mod:`.refusals`.
+
+Domino replaces the ``forward`` of a few module *instances* of a Megatron-Core ``GPTModel``:
+its transformer block (:func:`megatron_domino.block.domino_block_forward`) and, in every
+layer, the modules of :data:`LAYER_PLAN`. Each entry names the module by its attribute path
+from the ``TransformerLayer``, its kind, and the Megatron-Core class whose ``forward`` the
+stock layer would run there. :func:`layer_forward` picks Domino's forward for the module found
+at a target: it is the one place that tells a Transformer Engine module from Megatron's own
+(TE's classes exist only where TE imports, so its modules are recognised by interface,
+:func:`is_te_linear` and :func:`is_te_core_attention`). :func:`megatron_domino.apply.apply_domino`
+binds what it returns; :mod:`megatron_domino.refusals` checks, from the same table, that every
+target is there and is a module Domino knows.
+
+=================================  ==============  =======================================
+target                             kind            Domino's forward (local / TE)
+=================================  ==============  =======================================
+``self_attention.linear_qkv``      column          :func:`.linears.column_parallel_forward`
+                                                   (with backward overlap) /
+                                                   :func:`.te_linears.te_column_parallel_forward`
+``self_attention.core_attention``  core_attention  under the sequence split only:
+                                                   :func:`.chunk_attention.core_attention_forward`
+``self_attention.linear_proj``     row             :func:`.linears.capture_row_input` with
+                                                   :data:`.linears.LOCAL_ROW` / :data:`.te_linears.TE_ROW`
+``mlp.linear_fc1``                 column          as ``linear_qkv``
+``mlp.linear_fc2``                 row             as ``linear_proj``
+=================================  ==============  =======================================
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from megatron_domino.chunk_attention import core_attention_forward, local_attend, te_attend
+from megatron_domino.config import DominoConfig
+from megatron_domino.linears import LOCAL_ROW, capture_row_input, column_parallel_forward
+from megatron_domino.te_linears import TE_ROW, te_column_parallel_forward
+
+__all__ = [
+    "LAYER_PLAN",
+    "LINEARS",
+    "Target",
+    "is_te_core_attention",
+    "is_te_linear",
+    "layer_forward",
+]
+
+
+@dataclass(frozen=True)
+class Target:
+    """A module of every ``TransformerLayer`` whose ``forward`` Domino may replace.
+
+    Attributes:
+        path: attribute path from the layer, e.g. ``self_attention.linear_proj``.
+        kind: ``column`` or ``row`` (a tensor-parallel linear; TE's ``parallel_mode`` says the
+            same), or ``core_attention``.
+        stock: the Megatron-Core class (local layer spec) whose forward the layer would run.
+    """
+
+    path: str
+    kind: Literal["column", "row", "core_attention"]
+    stock: type
+
+    @property
+    def name(self) -> str:
+        """The attribute's own name (``linear_proj``)."""
+        return self.path.rsplit(".", 1)[-1]
+
+    def find(self, layer: torch.nn.Module) -> torch.nn.Module | None:
+        """The module at :attr:`path` in ``layer``, or ``None`` where the layer has none."""
+        module = layer
+        for part in self.path.split("."):
+            module = getattr(module, part, None)
+        return module
+
+
+#: Every module Domino binds in a layer, in the order the layer runs them.
+LAYER_PLAN: tuple[Target, ...] = (
+    Target("self_attention.linear_qkv", "column", ColumnParallelLinear),
+    Target("self_attention.core_attention", "core_attention", DotProductAttention),
+    Target("self_attention.linear_proj", "row", RowParallelLinear),
+    Target("mlp.linear_fc1", "column", ColumnParallelLinear),
+    Target("mlp.linear_fc2", "row", RowParallelLinear),
+)
+#: The layer's four tensor-parallel linears.
+LINEARS: tuple[Target, ...] = tuple(t for t in LAYER_PLAN if t.kind in ("column", "row"))
+
+
+def is_te_linear(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a TE tensor-parallel linear as Megatron-Core wraps it.
+
+    Recognised by interface, not class: TE's ``parallel_mode`` and the ``te_return_bias`` of
+    Megatron's wrappers (``megatron.core.extensions.transformer_engine``).
+    """
+    return hasattr(module, "parallel_mode") and hasattr(module, "te_return_bias")
+
+
+def is_te_core_attention(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is Transformer Engine's attention as Megatron-Core wraps it.
+
+    Recognised by interface (``TEDotProductAttention``): the wrapper's
+    ``te_forward_mask_type`` (whether it passes the mask type to TE per call) and
+    ``qkv_format``.
+    """
+    return hasattr(module, "te_forward_mask_type") and hasattr(module, "qkv_format")
+
+
+def layer_forward(target: Target, module: torch.nn.Module, config: DominoConfig) -> Callable | None:
+    """Domino's forward for ``module`` at ``target``, or ``None`` where the stock one serves.
+
+    The result takes ``module`` first and the model's runtime as ``runtime=``. A local
+    column-parallel linear needs Domino's forward for backward overlap (which sequence
+    parallelism requires); a TE one always does: under sequence parallelism it takes over the
+    all-gather, and in every case it keeps the chunks' weight gradients accumulating
+    (:mod:`megatron_domino.te_linears`). The core attention is Domino's under the sequence
+    split only.
+    """
+    if target.kind == "row":
+        return functools.partial(
+            capture_row_input, gemm=TE_ROW if is_te_linear(module) else LOCAL_ROW
+        )
+    if target.kind == "column":
+        if is_te_linear(module):
+            return te_column_parallel_forward
+        return column_parallel_forward if config.backward_overlap else None
+    if config.split_along != "sequence":
+        return None
+    attend = te_attend if is_te_core_attention(module) else local_attend
+    return functools.partial(core_attention_forward, attend=attend)

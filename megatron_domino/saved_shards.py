@@ -1,0 +1,173 @@
+"""Sequence parallelism's memory saving, kept: a column linear saves its input shard only.
+
+Under sequence parallelism stock Megatron's column-parallel linear keeps, for backward, this
+rank's shard ``[s/tp, b, h]`` of its input and all-gathers it again in backward. Domino runs
+the linear on an input it gathered ahead (:mod:`megatron_domino.sequence_parallel`), so
+autograd would keep the whole gathered sequence. :class:`SavedInputRegather`, around the
+linear's call (:func:`keeping_input_shards`), keeps this rank's rows instead and gathers them
+again in backward. That all-gather is launched by the backward of the same chunk's row-output
+wait (created one op after the column linear), right after its own dY gather, and waited where
+the column linear's backward needs its input: another chunk's core op runs in between.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_domino.collectives import InFlight
+from megatron_domino.recorder import CollectiveLabel
+
+__all__ = ["SavedInputRegather", "keeping_input_shards"]
+
+
+class SavedInputRegather(InFlight):
+    """What one chunk's column-parallel linear keeps of its gathered input, and its re-gather.
+
+    Stock Megatron's column linear (and TE's fused norm + linear) under sequence parallelism
+    keeps this rank's shard ``[s/tp, b, h]`` for backward and all-gathers it again there.
+    Domino calls the linear on the input it gathered ahead, ``[s, b/p, h]``, so autograd would
+    keep the full sequence: per layer and micro-batch ``2 (1 - 1/tp) s b h`` elements more
+    (QKV and fc1; more with TE, whose norm output is kept too). Wrapping the call in
+    :meth:`keeping_shards` keeps, of every tensor the call saves that spans the gathered
+    sequence, only this rank's rows:
+
+    * the gathered input, or a view of it: the shard it was gathered from (``shard``, no copy);
+    * another plain tensor of the gathered input's size whose leading dimension runs over its
+      tokens (``[s, b/p, h]`` or ``[s*b/p, h]``; contiguous): TE's norm output, or an
+      intermediate of a torch norm. Everything the call computes before its GEMM is a
+      per-token function of the gathered input, the same on every TP rank, so this rank's
+      rows (a copy) gathered again give it back. What is rank-specific (the weight, the GEMM
+      output) is a parameter or has another size, and is kept as it is, as are subclassed
+      tensors (FP8) and per-token statistics ``[s*b/p]``.
+
+    In backward, :meth:`launch` starts the all-gathers (one per kept tensor, recorded as one
+    collective ``<sublayer>_regather``); the first access to a saved tensor waits for them (and
+    launches them first if nothing did). The pack and unpack hooks pass what they keep on to
+    the saved-tensor hooks that were active when the call began (e.g. a memory measurement).
+
+    Args:
+        group: the tensor-parallel group.
+        label: recorder label (``<sublayer>_regather``, layer, chunk).
+        shard: the column linear's input before the all-gather, ``[s/tp, b/p, h]``.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, label: CollectiveLabel, shard: torch.Tensor):
+        super().__init__(group, label)
+        self._shard = shard.detach()
+        self._gathered: torch.Tensor | None = None
+        self._outer = None
+        #: per kept tensor: (this rank's rows or what the outer pack hook made of them,
+        #: full shape); index 0 is the gathered input's own shard once a view of it was saved.
+        self._kept: list[tuple[object, torch.Size]] = []
+        self._view_index: int | None = None
+        self._uses: list[int] = []
+        self._outputs: list[torch.Tensor] = []
+        self._ready: dict[int, torch.Tensor] = {}
+        self._unpacked: list[int] = []
+
+    @contextlib.contextmanager
+    def keeping_shards(self, gathered: torch.Tensor) -> Iterator[None]:
+        """Around the column linear's call on ``gathered`` ``[s, b/p, h]``: keep shards only."""
+        self._gathered = gathered
+        # The (pack, unpack) pair active now, or None: torch's private query, also used by
+        # torch._functorch; the public context manager can only push and pop.
+        self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._gathered = None
+
+    def launch(self) -> None:
+        """Start re-gathering every kept tensor (backward, ahead of the linear's backward)."""
+        if self.pending or not self._kept:
+            return
+        self.start("bwd", self._gather_kept)
+
+    def _gather_kept(self) -> list:
+        works = []
+        for kept, full_shape in self._kept:
+            rows = self._outer[1](kept) if self._outer else kept
+            output = rows.new_empty(full_shape)
+            self._outputs.append(output)
+            works.append(
+                dist.all_gather_into_tensor(
+                    output, rows.contiguous(), group=self.group, async_op=True
+                )
+            )
+        return works
+
+    def _wait(self) -> None:
+        if not self.pending:
+            self.launch()
+        self.finish()
+        self._ready = dict(enumerate(self._outputs))
+        self._unpacked = [0] * len(self._kept)
+        self._outputs = []
+
+    def _pack(self, tensor: torch.Tensor):
+        gathered = self._gathered
+        if type(tensor) is not torch.Tensor or tensor.device != gathered.device:
+            return self._pass(tensor)
+        if tensor.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr():
+            if (
+                tensor.dtype != gathered.dtype
+                or not gathered.is_contiguous()
+                or gathered.storage_offset() != 0
+            ):
+                return self._pass(tensor)
+            if self._view_index is None:
+                self._view_index = self._keep(self._shard, gathered.shape)
+            self._uses[self._view_index] += 1
+            geometry = (tensor.size(), tensor.stride(), tensor.storage_offset())
+            return ("view", self._view_index, geometry)
+        s, b = gathered.shape[0], gathered.shape[1]
+        if (
+            tensor.numel() == gathered.numel()
+            and tensor.is_contiguous()
+            and tensor.shape[0] in (s, s * b)
+            and tensor.shape[-1] == gathered.shape[-1]
+        ):
+            size = self.group.size()
+            rows = tensor.shape[0] // size
+            mine = tensor.detach().narrow(0, self.group.rank() * rows, rows).clone()
+            index = self._keep(mine, tensor.shape)
+            self._uses[index] += 1
+            return ("rows", index, None)
+        return self._pass(tensor)
+
+    def _keep(self, rows: torch.Tensor, full_shape: torch.Size) -> int:
+        self._kept.append((self._outer[0](rows) if self._outer else rows, full_shape))
+        self._uses.append(0)
+        return len(self._kept) - 1
+
+    def _pass(self, tensor: torch.Tensor):
+        return ("pass", None, self._outer[0](tensor) if self._outer else tensor.detach())
+
+    def _unpack(self, packed) -> torch.Tensor:
+        kind, index, payload = packed
+        if kind == "pass":
+            return self._outer[1](payload) if self._outer else payload
+        if index not in self._ready:
+            self._wait()
+        full = self._ready[index]
+        self._unpacked[index] += 1
+        if self._unpacked[index] >= self._uses[index]:
+            del self._ready[index]  # the last saved tensor that needs it: free it with them
+        if kind == "view":
+            size, stride, offset = payload
+            return full.as_strided(size, stride, offset)
+        return full
+
+
+def keeping_input_shards(regather: SavedInputRegather | None, gathered: torch.Tensor):
+    """Around a column linear's call on ``gathered`` ``[s, b/p, h]``: keep only this rank's
+    shards for backward (:meth:`SavedInputRegather.keeping_shards`); a no-op without a
+    ``regather`` (autograd off)."""
+    if regather is None:
+        return contextlib.nullcontext()
+    return regather.keeping_shards(gathered)
