@@ -28,8 +28,17 @@ demo: $(STAMP)
 	$(VENV)/bin/megatron-domino-demo
 
 # make bench QUICK=1: one shape, two settings, under 5 minutes.
-bench: $(STAMP)
-	$(VENV)/bin/megatron-domino-bench $(if $(QUICK),--quick) $(BENCH_ARGS)
+# make bench DS=1: also DeepSpeed's own Domino as an arm (installs deepspeed into .venv).
+DEEPSPEED_VERSION ?= 0.19.8
+DS_STAMP := $(VENV)/.deepspeed-$(DEEPSPEED_VERSION)
+
+$(DS_STAMP): $(STAMP)
+	@echo "installing deepspeed $(DEEPSPEED_VERSION) without compiled ops (its Domino needs none)"
+	DS_BUILD_OPS=0 $(PY) -m pip install -q deepspeed==$(DEEPSPEED_VERSION)
+	touch $(DS_STAMP)
+
+bench: $(STAMP) $(if $(DS),$(DS_STAMP))
+	$(VENV)/bin/megatron-domino-bench $(if $(QUICK),--quick) $(if $(DS),--deepspeed) $(BENCH_ARGS)
 
 # One GPU, no Transformer Engine, under 10 minutes (see docs/gpu_check.md).
 gpu-check: $(STAMP)

@@ -252,3 +252,37 @@ def test_missing_deepspeed_names_the_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # `import deepspeed` raises
     with pytest.raises(ImportError, match="make bench DS=1"):
         init_deepspeed_comm()
+
+
+DEEPSPEED_CASE = {
+    "tensor_model_parallel_size": 2,
+    "micro_batch_size": MICRO_BATCH,
+    "model": dict(num_layers=2, **TINY, num_attention_heads=4),
+    "domino": {"p2": {"chunks": 2}},
+    "deepspeed": True,
+    "sdpa": True,
+}
+
+
+def _bench_case() -> dict:
+    from megatron_domino.tools.bench.worker import run_case
+
+    return run_case(DEEPSPEED_CASE, iters=1, warmup=0)
+
+
+def test_bench_runs_the_deepspeed_arm_beside_ours(tmp_path):
+    pytest.importorskip("deepspeed")
+    from megatron_domino.tools.bench.metrics import setting_rows
+    from megatron_domino.tools.bench.report import markdown_table
+
+    result = {"case": DEEPSPEED_CASE, **run_on_ranks(_bench_case, 2)[0]}
+    assert {"deepspeed", "deepspeed_noop", "comm_only[deepspeed]"} <= set(result["arms"])
+    # Checked before timing: the same function (bit-identical with SDPA on both sides).
+    assert result["deepspeed_check"]["max_relative_loss_difference"] < 1e-6
+    # DeepSpeed's p = 2 sends what ours sends in the layers: 2 all-reduces per layer and chunk.
+    assert result["collectives"]["deepspeed"] == result["collectives"]["p2"]
+    rows = {row["setting"]: row for row in setting_rows(result)}
+    assert rows["deepspeed"]["implementation"] == "deepspeed"
+    assert rows["p2"]["time_vs_deepspeed"] > 0 and rows["deepspeed"]["time_vs_deepspeed"] == 1.0
+    case = {"name": "tiny", "link_mbit": None, **DEEPSPEED_CASE, "rows": list(rows.values())}
+    assert "| tiny | p2 |" in markdown_table([case]).split("T_dom / T_deepspeed")[1]

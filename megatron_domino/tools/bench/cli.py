@@ -25,7 +25,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from megatron_domino.harness.model_options import GPTOptions
 from megatron_domino.harness.settings import setting
+from megatron_domino.tools.bench.deepspeed_arm import deepspeed_problems
 from megatron_domino.tools.bench.link import (
     inside_private_namespace,
     namespace_unavailable_reason,
@@ -34,6 +36,7 @@ from megatron_domino.tools.bench.link import (
 )
 from megatron_domino.tools.bench.metrics import auto_check, setting_rows
 from megatron_domino.tools.bench.report import markdown_table, write_artefacts
+from megatron_domino.tools.bench.sdpa_attention import sdpa_problems
 from megatron_domino.tools.provenance import provenance
 
 #: Shapes where each chunk keeps 512 tokens (s * b / p at p = 2): smaller chunks lose CPU GEMM
@@ -58,6 +61,10 @@ _LLAMA = dict(
     add_bias_linear=False,
     ffn_hidden_size=2816,
 )
+#: The shape of the DeepSpeed comparison in ../shared/docs/deepspeed-domino.md (h = 512, ffn
+#: 2048, 8 heads): 256 tokens per chunk at p = 2, where per-chunk costs weigh more than at
+#: h = 1024.
+_MODEL_H512 = dict(_MODEL, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048)
 #: The Domino settings the benchmark runs (names: :mod:`megatron_domino.harness.settings`).
 SETTINGS = ("p2", "p4", "p2-k2", "p1-k2", "s2", "s4")
 _BATCH_SETTINGS = ("p2", "p4", "p2-k2", "p1-k2")
@@ -66,6 +73,7 @@ _BATCH_SETTINGS = ("p2", "p4", "p2-k2", "p1-k2")
 #: sequence split have something to split.
 CASES = {
     "gpt-h1024": dict(model=_MODEL, micro_batch_size=4, settings=_BATCH_SETTINGS),
+    "gpt-h512": dict(model=_MODEL_H512, micro_batch_size=4, settings=_BATCH_SETTINGS),
     "llama-h1024": dict(model=_LLAMA, micro_batch_size=4, settings=_BATCH_SETTINGS),
     "gpt-h1024-sp": dict(
         model=dict(_MODEL, sequence_parallel=True), micro_batch_size=4, settings=_BATCH_SETTINGS
@@ -119,6 +127,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=sorted(SETTINGS),
         default=list(SETTINGS),
         help="Domino settings to run (each shape runs those of them it lists).",
+    )
+    parser.add_argument(
+        "--deepspeed",
+        action="store_true",
+        help="Add DeepSpeed's own Domino (deepspeed.runtime.domino) as an arm on the cases it "
+        "can run (LayerNorm, GeLU, learned positions, MHA, no SP, even micro-batch); those cases "
+        "give every Megatron arm SDPA core attention, DeepSpeed's kernel. Needs deepspeed "
+        "(make bench DS=1).",
     )
     parser.add_argument(
         "--out-dir",
@@ -194,6 +210,19 @@ def _calibrated_rate(case: dict, target: float) -> float:
     return rate
 
 
+def _deepspeed_fields(name: str, case: dict) -> dict:
+    """``{"deepspeed": True, "sdpa": True}`` where DeepSpeed's Domino can run the case; else
+    nothing, saying why (the case still runs its other arms)."""
+    options = GPTOptions(**case["model"])
+    problems = deepspeed_problems(
+        options, case["micro_batch_size"], case["model"].get("sequence_parallel", False)
+    ) + sdpa_problems(options)
+    if problems:
+        print(f"  {name}: no DeepSpeed arm: {'; '.join(problems)}", flush=True)
+        return {}
+    return {"deepspeed": True, "sdpa": True}
+
+
 def main(argv=None) -> int:
     raw_argv = sys.argv[1:] if argv is None else argv
     args = parse_args(raw_argv)
@@ -213,6 +242,8 @@ def main(argv=None) -> int:
         case = {key: value for key, value in CASES[name].items() if key != "settings"}
         chosen = [s for s in args.settings if s in CASES[name]["settings"]]
         case |= dict(tensor_model_parallel_size=2, domino={s: setting(s).fields for s in chosen})
+        if args.deepspeed:
+            case |= _deepspeed_fields(name, case)
         print(f"[{index}/{len(args.cases)}] {name}: {case['model']}", flush=True)
         rate = None
         if shaped:

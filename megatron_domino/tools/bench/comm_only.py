@@ -21,6 +21,7 @@ communication needs, so the roofline efficiency is not flattered.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -78,12 +79,18 @@ class CollectiveLog:
 
 
 def _logging(original, kind: str, tp_group: dist.ProcessGroup, log: CollectiveLog):
-    """``original``, which also appends a :class:`CollectiveCall` when called on ``tp_group``."""
+    """``original``, which also appends a :class:`CollectiveCall` when called on ``tp_group``.
+
+    The tensors are found by ``torch.distributed``'s own parameter order (the output first,
+    then the input), whether passed by position or by name (DeepSpeed passes ``tensor=``).
+    """
+    signature = inspect.signature(original)
 
     def collective(*args, group=None, **kwargs):
         if group is tp_group:
-            output = args[0]
-            source = None if kind == "all_reduce" else tuple(args[1].shape)
+            tensors = list(signature.bind(*args, **kwargs).arguments.values())
+            output = tensors[0]
+            source = None if kind == "all_reduce" else tuple(tensors[1].shape)
             log.calls.append(
                 CollectiveCall(kind, tuple(output.shape), source, output.dtype, log.phase)
             )

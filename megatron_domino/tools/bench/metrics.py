@@ -17,16 +17,21 @@ With ``T_base`` (unpatched), ``T_dom`` (Domino), ``T_oracle`` (no TP communicati
   (:mod:`megatron_domino.tools.bench.comm_only`). 1 is as much as any schedule of these
   collectives could hide; unlike ``hidden_fraction`` it does not ask the impossible where a
   phase's communication outlasts its compute.
-* ``speedup = T_base / T_dom``
+* ``speedup = T_base / T_dom``; ``time_vs_deepspeed = T_dom / T_ds`` where the case ran
+  DeepSpeed-Domino (its row has the same metrics, from its own no-op and comm-only arms)
 * ``chunk_overhead = T_noop / T_oracle``
 * ``peak_mem_ratio`` = Domino's peak memory over the baseline's
 """
 
 from __future__ import annotations
 
+#: The row of DeepSpeed's own Domino (``deepspeed.runtime.domino``), where a case runs it.
+DEEPSPEED = "deepspeed"
+
 #: Fields every per-setting row of ``latest.json`` carries (tests check them).
 ROW_FIELDS = (
     "setting",
+    "implementation",
     "chunks",
     "column_chunks",
     "comm_share",
@@ -62,65 +67,65 @@ def _hidden(arms: dict, domino_arm: str, part: str) -> float:
     )
 
 
-def _bound(arms: dict, setting: str, part: str) -> float:
-    """The fastest a perfectly overlapped ``part`` could run: ``max(T_noop, T_comm)``."""
-    phases = ("fwd", "bwd") if part == "total" else (part,)
-    return sum(
-        max(
-            _median(arms, f"domino_noop[{setting}]", phase),
-            _median(arms, f"comm_only[{setting}]", phase),
-        )
-        for phase in phases
-    )
+def arm_names(setting: str) -> tuple[str, str, str]:
+    """The (with communication, no-op, comm-only) arms of a row: a Domino setting's, or
+    DeepSpeed-Domino's for the row named ``deepspeed``."""
+    if setting == DEEPSPEED:
+        return "deepspeed", "deepspeed_noop", "comm_only[deepspeed]"
+    return f"domino[{setting}]", f"domino_noop[{setting}]", f"comm_only[{setting}]"
 
 
 def _roofline(arms: dict, setting: str, part: str) -> float:
-    base, bound = _median(arms, "baseline", part), _bound(arms, setting, part)
-    return (
-        (base - _median(arms, f"domino[{setting}]", part)) / (base - bound)
-        if base > bound
-        else float("nan")
-    )
+    """``(T_base - T_dom) / (T_base - bound)`` where the bound is ``max(T_noop, T_comm)`` per
+    phase, summed over the phases ``part`` covers."""
+    arm, noop, comm = arm_names(setting)
+    phases = ("fwd", "bwd") if part == "total" else (part,)
+    bound = sum(max(_median(arms, noop, phase), _median(arms, comm, phase)) for phase in phases)
+    base = _median(arms, "baseline", part)
+    return (base - _median(arms, arm, part)) / (base - bound) if base > bound else float("nan")
+
+
+def _row(result: dict, setting: str, domino: dict) -> dict:
+    arms = result["arms"]
+    arm, noop, comm = arm_names(setting)
+    overlap = result["recorder_overlap"].get(setting)
+    base, oracle = _median(arms, "baseline"), _median(arms, "oracle")
+    row = {
+        "setting": setting,
+        "implementation": "deepspeed" if setting == DEEPSPEED else "megatron-domino",
+        "chunks": domino.get("chunks", 2),
+        "column_chunks": domino.get("column_chunks", 1),
+        "split_along": domino.get("split_along", "batch"),
+        "comm_share": 1 - oracle / base,
+        "hidden_fraction": _hidden(arms, arm, "total"),
+        "hidden_fraction_fwd": _hidden(arms, arm, "fwd"),
+        "hidden_fraction_bwd": _hidden(arms, arm, "bwd"),
+        "hidden_over_own_floor": 1 - (_median(arms, arm) - _median(arms, noop)) / (base - oracle),
+        "speedup": base / _median(arms, arm),
+        "chunk_overhead": _median(arms, noop) / oracle,
+        "peak_mem_ratio": result["peak_memory_bytes"][arm]
+        / result["peak_memory_bytes"]["baseline"],
+        "comm_only_fwd_s": _median(arms, comm, "fwd"),
+        "comm_only_bwd_s": _median(arms, comm, "bwd"),
+        "roofline_efficiency": _roofline(arms, setting, "total"),
+        "roofline_efficiency_fwd": _roofline(arms, setting, "fwd"),
+        "roofline_efficiency_bwd": _roofline(arms, setting, "bwd"),
+        "collectives": result["collectives"][setting],
+        "arms": {name: arms[name]["total"] for name in ("baseline", "oracle", arm, noop, comm)},
+        "recorder_overlapped_fraction_fwd": _overlapped(overlap["fwd"]) if overlap else None,
+        "recorder_overlapped_fraction_bwd": _overlapped(overlap["bwd"]) if overlap else None,
+    }
+    if "deepspeed" in arms:
+        row["time_vs_deepspeed"] = _median(arms, arm) / _median(arms, "deepspeed")
+    return row
 
 
 def setting_rows(result: dict) -> list[dict]:
-    """One row per Domino setting of a case result written by the bench worker."""
-    arms, case = result["arms"], result["case"]
-    rows = []
-    for setting, domino in case["domino"].items():
-        arm, noop = f"domino[{setting}]", f"domino_noop[{setting}]"
-        overlap = result["recorder_overlap"][setting]
-        rows.append(
-            {
-                "setting": setting,
-                "chunks": domino.get("chunks", 2),
-                "column_chunks": domino.get("column_chunks", 1),
-                "split_along": domino.get("split_along", "batch"),
-                "comm_share": 1 - _median(arms, "oracle") / _median(arms, "baseline"),
-                "hidden_fraction": _hidden(arms, arm, "total"),
-                "hidden_fraction_fwd": _hidden(arms, arm, "fwd"),
-                "hidden_fraction_bwd": _hidden(arms, arm, "bwd"),
-                "hidden_over_own_floor": 1
-                - (_median(arms, arm) - _median(arms, noop))
-                / (_median(arms, "baseline") - _median(arms, "oracle")),
-                "speedup": _median(arms, "baseline") / _median(arms, arm),
-                "chunk_overhead": _median(arms, noop) / _median(arms, "oracle"),
-                "peak_mem_ratio": result["peak_memory_bytes"][arm]
-                / result["peak_memory_bytes"]["baseline"],
-                "comm_only_fwd_s": _median(arms, f"comm_only[{setting}]", "fwd"),
-                "comm_only_bwd_s": _median(arms, f"comm_only[{setting}]", "bwd"),
-                "roofline_efficiency": _roofline(arms, setting, "total"),
-                "roofline_efficiency_fwd": _roofline(arms, setting, "fwd"),
-                "roofline_efficiency_bwd": _roofline(arms, setting, "bwd"),
-                "collectives": result["collectives"][setting],
-                "arms": {
-                    name: arms[name]["total"]
-                    for name in ("baseline", "oracle", arm, noop, f"comm_only[{setting}]")
-                },
-                "recorder_overlapped_fraction_fwd": _overlapped(overlap["fwd"]),
-                "recorder_overlapped_fraction_bwd": _overlapped(overlap["bwd"]),
-            }
-        )
+    """One row per Domino setting of a case result written by the bench worker, and one for
+    DeepSpeed-Domino (setting ``deepspeed``: p = 2, batch split) where the case ran it."""
+    rows = [_row(result, setting, domino) for setting, domino in result["case"]["domino"].items()]
+    if "deepspeed" in result["arms"]:
+        rows.append(_row(result, DEEPSPEED, {"chunks": 2}))
     return rows
 
 

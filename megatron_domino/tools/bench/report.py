@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megatron_domino.tools.bench.metrics import arm_names
 from megatron_domino.tools.plots import pyplot, save
 
 TABLE_HEADER = (
@@ -42,12 +43,38 @@ def _auto_table(cases: list[dict]) -> str:
     return "".join(lines)
 
 
+DEEPSPEED_HEADER = (
+    "\n| case | setting | T_dom ms | T_deepspeed ms | T_dom / T_deepspeed | DeepSpeed chunk "
+    "overhead | DeepSpeed roofline fwd / bwd |\n|---|---|---|---|---|---|---|\n"
+)
+
+
+def _deepspeed_table(cases: list[dict]) -> str:
+    """Each setting against DeepSpeed-Domino's block in the same run (cases that ran it)."""
+    lines = []
+    for case in cases:
+        rows = {row["setting"]: row for row in case["rows"]}
+        deepspeed = rows.pop("deepspeed", None)
+        if deepspeed is None:
+            continue
+        ds_ms = deepspeed["arms"]["deepspeed"]["median_s"] * 1e3
+        for setting, row in rows.items():
+            dom_ms = row["arms"][arm_names(setting)[0]]["median_s"] * 1e3
+            lines.append(
+                f"| {case['name']} | {setting} | {dom_ms:.0f} | {ds_ms:.0f} "
+                f"| {row['time_vs_deepspeed']:.3f} | {deepspeed['chunk_overhead']:.3f} "
+                f"| {deepspeed['roofline_efficiency_fwd']:.0%} / "
+                f"{deepspeed['roofline_efficiency_bwd']:.0%} |\n"
+            )
+    return DEEPSPEED_HEADER + "".join(lines) if lines else ""
+
+
 def markdown_table(cases: list[dict]) -> str:
     lines = [TABLE_HEADER]
     for case in cases:
         for row in case["rows"]:
             arms = row["arms"]
-            dom = arms[f"domino[{row['setting']}]"]["median_s"]
+            dom = arms[arm_names(row["setting"])[0]]["median_s"]
             link = "plain loopback" if case["link_mbit"] is None else f"{case['link_mbit']:.0f}"
             lines.append(
                 f"| {case['name']} | {row['setting']} | {case['tensor_model_parallel_size']} "
@@ -61,7 +88,7 @@ def markdown_table(cases: list[dict]) -> str:
                 f"| {row['roofline_efficiency_bwd']:.0%} | {row['speedup']:.3f} "
                 f"| {row['chunk_overhead']:.3f} | {row['peak_mem_ratio']:.3f} |\n"
             )
-    return "".join(lines) + _auto_table(cases)
+    return "".join(lines) + _deepspeed_table(cases) + _auto_table(cases)
 
 
 def write_artefacts(out_dir: Path, run: dict) -> list[Path]:

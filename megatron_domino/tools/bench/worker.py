@@ -14,8 +14,14 @@ After the timed rounds, with two or more settings, ``--domino-chunks auto``'s tu
 (:class:`~megatron_domino.autotune.AutoTuner`) picks one of them from its own short
 measurement, so the report can check its choice against the arms' medians.
 
-* ``comm_only``: the collectives one step of ``baseline`` or of a Domino setting performs,
-  same sizes and order, with no compute (:mod:`megatron_domino.tools.bench.comm_only`).
+* ``comm_only``: the collectives one step of ``baseline``, of a Domino setting or of
+  DeepSpeed performs, same sizes and order, with no compute
+  (:mod:`megatron_domino.tools.bench.comm_only`).
+* ``deepspeed`` / ``deepspeed_noop`` (cases with ``"deepspeed": true``): DeepSpeed's own
+  Domino block in place of the decoder, with its collectives real / no-ops
+  (:mod:`megatron_domino.tools.bench.deepspeed_arm`). Its per-token loss is checked against
+  the baseline's before anything is timed. Such cases build every Megatron arm with SDPA core
+  attention (``"sdpa": true``), DeepSpeed's kernel, so all arms do identical work.
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ from megatron_domino.harness.distributed import destroy_distributed, init_distri
 from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
 from megatron_domino.recorder import EventRecorder
 from megatron_domino.tools.bench.comm_only import CollectiveLog, replay, tp_collectives_logged
+from megatron_domino.tools.bench.deepspeed_arm import build_deepspeed_block, deepspeed_decoder
 from megatron_domino.tools.bench.noop_collectives import tp_collectives_skipped
+from megatron_domino.tools.bench.sdpa_attention import sdpa_layer_spec
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -106,6 +114,28 @@ def _peak_memory_bytes(model, batch) -> int:
     return sum(storages.values())
 
 
+#: DeepSpeed's block against Megatron's in fp32 (measured: 5e-7 with different attention
+#: kernels, bit-identical with SDPA on both, tests/test_bench_deepspeed.py).
+DEEPSPEED_RTOL = 1e-4
+
+
+def _same_loss(model, batch, baseline, deepspeed) -> dict:
+    """Per-token losses ``[b, s]`` of the baseline and of DeepSpeed's block on the same
+    weights and batch; raises if they differ by more than :data:`DEEPSPEED_RTOL`, since a
+    speed comparison of different functions would mean nothing."""
+    losses = []
+    for context in (baseline, deepspeed):
+        with context(), torch.no_grad():
+            losses.append(model(**batch).float())
+    error = float((losses[1] - losses[0]).abs().max() / losses[0].abs().max())
+    if error > DEEPSPEED_RTOL:
+        raise RuntimeError(
+            f"DeepSpeed's Domino block computes another function than the Megatron model: "
+            f"per-token loss differs by {error:.2e} relative (> {DEEPSPEED_RTOL})."
+        )
+    return {"max_relative_loss_difference": error}
+
+
 def _auto_choice(model, batch, candidates: list[DominoConfig]) -> dict:
     """What ``--domino-chunks auto`` picks among ``candidates``, timing micro-batch steps as
     the training loop times iterations (slowest rank's, so every rank picks the same)."""
@@ -137,12 +167,13 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
     options = GPTOptions(**case["model"])
     micro_batch_size = case["micro_batch_size"]
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    model = build_gpt_model(options)
+    model = build_gpt_model(options, spec=sdpa_layer_spec(options) if case.get("sdpa") else None)
     batch = _batch(options, micro_batch_size, device)
     tp_group = model.decoder.layers[0].self_attention.linear_proj.tp_group
     settings = {name: DominoConfig(**kw) for name, kw in case["domino"].items()}
+    deepspeed_block = build_deepspeed_block(model) if case.get("deepspeed") else None
 
-    def arm(domino: DominoConfig | None, skip_collectives: bool, recorder=None):
+    def arm(domino: DominoConfig | None, skip_collectives: bool, recorder=None, deepspeed=False):
         @contextlib.contextmanager
         def context():
             with contextlib.ExitStack() as stack:
@@ -151,6 +182,8 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
                 if domino is not None:
                     kwargs = {"recorder": recorder} if recorder is not None else {}
                     stack.enter_context(apply_domino(model, domino, **kwargs))
+                if deepspeed:
+                    stack.enter_context(deepspeed_decoder(model, deepspeed_block))
                 yield
 
         return context
@@ -159,6 +192,13 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
     for name, config in settings.items():
         arms[f"domino[{name}]"] = arm(config, False)
         arms[f"domino_noop[{name}]"] = arm(config, True)
+    logged = {"baseline": "baseline", **{name: f"domino[{name}]" for name in settings}}
+    deepspeed_check = None
+    if deepspeed_block is not None:
+        arms["deepspeed"] = arm(None, False, deepspeed=True)
+        arms["deepspeed_noop"] = arm(None, True, deepspeed=True)
+        logged["deepspeed"] = "deepspeed"
+        deepspeed_check = _same_loss(model, batch, arms["baseline"], arms["deepspeed"])
 
     def step_of(name: str):
         def step() -> tuple[float, float]:
@@ -169,9 +209,9 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
 
     steps = {name: step_of(name) for name in arms}
     collectives = {}
-    for name in ["baseline", *settings]:
+    for name, arm_name in logged.items():
         log = CollectiveLog()
-        with arms["baseline" if name == "baseline" else f"domino[{name}]"]():
+        with arms[arm_name]():
             with tp_collectives_logged(tp_group, log):
                 _timed_step(model, batch, log)
         collectives[name] = {
@@ -212,6 +252,7 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
         }
         timelines[name] = [asdict(event) for event in events]
     memory_arms = ["baseline"] + [f"domino[{name}]" for name in settings]
+    memory_arms += ["deepspeed"] if deepspeed_block is not None else []
     peak_memory = {}
     for name in memory_arms:
         with arms[name]():
@@ -223,6 +264,7 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
         "samples": samples,
         "collectives": collectives,
         "auto": auto,
+        "deepspeed_check": deepspeed_check,
         "recorder_overlap": overlap,
         "timelines": timelines,
         "peak_memory_bytes": peak_memory,
