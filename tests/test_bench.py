@@ -62,6 +62,7 @@ def test_worker_metrics_and_artefacts(tmp_path):
             for f in ("comm_share", "speedup", "chunk_overhead", "peak_mem_ratio")
         )
         assert row["comm_only_fwd_s"] > 0 and row["comm_only_bwd_s"] > 0
+        assert 0 < row["comm_only_cpu_fwd_s"] and 0 < row["comm_only_cpu_bwd_s"]
     # Chunking keeps the same activations: the saved-for-backward bytes barely move.
     assert 0.9 < rows[0]["peak_mem_ratio"] < 1.2
 
@@ -74,6 +75,7 @@ def test_worker_metrics_and_artefacts(tmp_path):
         "timelines": result["timelines"],
         "peak_memory_bytes": result["peak_memory_bytes"],
         "collectives": result["collectives"],
+        "comm_only_cpu_s": result["comm_only_cpu_s"],
         "auto": auto,
     }
     written = write_artefacts(tmp_path, {"commit": "test", "cases": [case]})

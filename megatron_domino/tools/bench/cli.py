@@ -260,6 +260,7 @@ def main(argv=None) -> int:
                 "timelines": result["timelines"],
                 "peak_memory_bytes": result["peak_memory_bytes"],
                 "collectives": result["collectives"],
+                "comm_only_cpu_s": result["comm_only_cpu_s"],
                 "auto": auto_check(result),
             }
         )

@@ -135,10 +135,13 @@ def _buffers(call: CollectiveCall) -> tuple:
 
 def replay(
     calls: list[CollectiveCall], tp_group: dist.ProcessGroup, buffers: dict | None = None
-) -> float:
-    """Seconds the slowest rank takes to perform ``calls`` with no compute (module docstring).
+) -> tuple[float, float]:
+    """Seconds the slowest rank takes to perform ``calls`` with no compute (module docstring),
+    and the most CPU seconds a rank's process (all its threads: gloo's included) spent on them.
 
-    ``buffers`` (keyed by call index) keeps the zeroed tensors between replays so allocation is
+    The CPU time says what the roofline leaves out: where the cores are busy computing, as on
+    a CPU testbed, communication is not free of compute, and a rank's overlapped step cannot
+    beat ``T_noop`` plus that CPU time. ``buffers`` (keyed by call index) keeps the zeroed tensors between replays so allocation is
     not timed; it is filled on first use. Every rank must pass the same ``calls``.
     """
     buffers = {} if buffers is None else buffers
@@ -146,10 +149,11 @@ def replay(
         if index not in buffers:
             buffers[index] = _buffers(call)
     dist.barrier()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     works = [_launch(call, tp_group, buffers[i]) for i, call in enumerate(calls)]
     for work in works:
         work.wait()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    spent = [time.perf_counter() - start, time.process_time() - start_cpu]
+    spent = torch.tensor(spent, dtype=torch.float64)
+    dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+    return float(spent[0]), float(spent[1])

@@ -20,6 +20,11 @@ Its collectives go through ``deepspeed.comm.all_reduce``, which calls
 :func:`~megatron_domino.tools.bench.noop_collectives.tp_collectives_skipped` gives its
 no-communication arm too. DeepSpeed is optional: it is imported only here, on first use
 (tested with deepspeed 0.19.8; install with ``make bench DS=1``).
+
+It is one module, past 300 lines, on purpose: what DeepSpeed's block can compute (the
+refusals), how it is imported and connected, how its weights are named and how it is swapped
+in are all knowledge of one internal API of one DeepSpeed release, which an upgrade changes
+together.
 """
 
 from __future__ import annotations

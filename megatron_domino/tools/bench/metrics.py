@@ -16,7 +16,9 @@ With ``T_base`` (unpatched), ``T_dom`` (Domino), ``T_oracle`` (no TP communicati
   is the comm-only arm of the setting: its collectives alone
   (:mod:`megatron_domino.tools.bench.comm_only`). 1 is as much as any schedule of these
   collectives could hide; unlike ``hidden_fraction`` it does not ask the impossible where a
-  phase's communication outlasts its compute.
+  phase's communication outlasts its compute. ``comm_only_cpu_*_s`` is the CPU time a rank
+  spends on those collectives (gloo's threads included): where compute already keeps every
+  core busy, as on this CPU testbed, that time cannot overlap anything.
 * ``speedup = T_base / T_dom``; ``time_vs_deepspeed = T_dom / T_ds`` where the case ran
   DeepSpeed-Domino (its row has the same metrics, from its own no-op and comm-only arms)
 * ``chunk_overhead = T_noop / T_oracle``
@@ -44,6 +46,8 @@ ROW_FIELDS = (
     "peak_mem_ratio",
     "comm_only_fwd_s",
     "comm_only_bwd_s",
+    "comm_only_cpu_fwd_s",
+    "comm_only_cpu_bwd_s",
     "roofline_efficiency",
     "roofline_efficiency_fwd",
     "roofline_efficiency_bwd",
@@ -107,6 +111,8 @@ def _row(result: dict, setting: str, domino: dict) -> dict:
         / result["peak_memory_bytes"]["baseline"],
         "comm_only_fwd_s": _median(arms, comm, "fwd"),
         "comm_only_bwd_s": _median(arms, comm, "bwd"),
+        "comm_only_cpu_fwd_s": result["comm_only_cpu_s"][setting]["fwd"],
+        "comm_only_cpu_bwd_s": result["comm_only_cpu_s"][setting]["bwd"],
         "roofline_efficiency": _roofline(arms, setting, "total"),
         "roofline_efficiency_fwd": _roofline(arms, setting, "fwd"),
         "roofline_efficiency_bwd": _roofline(arms, setting, "bwd"),

@@ -147,13 +147,18 @@ def _auto_choice(model, batch, candidates: list[DominoConfig]) -> dict:
     return tuner.record_dict()
 
 
-def _comm_only_step(log: CollectiveLog, tp_group):
-    """The comm-only arm of the step ``log`` recorded: its phases' collectives replayed."""
+def _comm_only_step(log: CollectiveLog, tp_group, cpu_samples: dict):
+    """The comm-only arm of the step ``log`` recorded: its phases' collectives replayed; each
+    replay's CPU seconds are appended to ``cpu_samples[phase]``."""
     calls = {phase: log.of_phase(phase) for phase in ("fwd", "bwd")}
     buffers = {phase: {} for phase in calls}
 
     def step() -> tuple[float, float]:
-        return tuple(replay(calls[phase], tp_group, buffers[phase]) for phase in ("fwd", "bwd"))
+        wall = {}
+        for phase in ("fwd", "bwd"):
+            wall[phase], cpu = replay(calls[phase], tp_group, buffers[phase])
+            cpu_samples[phase].append(cpu)
+        return wall["fwd"], wall["bwd"]
 
     return step
 
@@ -208,7 +213,7 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
         return step
 
     steps = {name: step_of(name) for name in arms}
-    collectives = {}
+    collectives, comm_cpu = {}, {}
     for name, arm_name in logged.items():
         log = CollectiveLog()
         with arms[arm_name]():
@@ -218,7 +223,8 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
             phase: {"count": len(log.of_phase(phase)), "bytes": log.bytes_of_phase(phase)}
             for phase in ("fwd", "bwd")
         }
-        steps[f"comm_only[{name}]"] = _comm_only_step(log, tp_group)
+        comm_cpu[name] = {"fwd": [], "bwd": []}
+        steps[f"comm_only[{name}]"] = _comm_only_step(log, tp_group, comm_cpu[name])
 
     samples = {name: {"fwd": [], "bwd": [], "total": []} for name in steps}
     names = list(steps)
@@ -263,6 +269,10 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
         },
         "samples": samples,
         "collectives": collectives,
+        "comm_only_cpu_s": {
+            name: {phase: statistics.median(v) for phase, v in phases.items()}
+            for name, phases in comm_cpu.items()
+        },
         "auto": auto,
         "deepspeed_check": deepspeed_check,
         "recorder_overlap": overlap,
