@@ -165,10 +165,6 @@ class AutoTuner:
         return None if after == before else after
 
     @property
-    def trials(self) -> list[Trial]:
-        return list(self._trials)
-
-    @property
     def choice(self) -> Trial:
         """The fastest candidate by median iteration time (after all rounds)."""
         if not self.done:

@@ -185,7 +185,8 @@ def _run_worker(case: dict, iters: int, warmup: int) -> dict:
 def _comm_share(case: dict, rate_mbit: float) -> float:
     """Baseline communication share ``1 - T_oracle / T_base`` at ``rate_mbit``, from a short run."""
     shape_loopback(rate_mbit)
-    probe = _run_worker(dict(case, domino={}), iters=3, warmup=1)
+    # The baseline and the oracle only: no Domino settings, no DeepSpeed arms.
+    probe = _run_worker(dict(case, domino={}, deepspeed=False), iters=3, warmup=1)
     arms = probe["arms"]
     share = 1 - arms["oracle"]["total"]["median_s"] / arms["baseline"]["total"]["median_s"]
     return min(max(share, 0.02), 0.98)

@@ -71,12 +71,17 @@ def _hidden(arms: dict, domino_arm: str, part: str) -> float:
     )
 
 
+def comm_only_arm(name: str) -> str:
+    """The comm-only arm of ``baseline``, a Domino setting or ``deepspeed``."""
+    return f"comm_only[{name}]"
+
+
 def arm_names(setting: str) -> tuple[str, str, str]:
     """The (with communication, no-op, comm-only) arms of a row: a Domino setting's, or
-    DeepSpeed-Domino's for the row named ``deepspeed``."""
+    DeepSpeed-Domino's for the row named :data:`DEEPSPEED`. The worker names its arms with it."""
     if setting == DEEPSPEED:
-        return "deepspeed", "deepspeed_noop", "comm_only[deepspeed]"
-    return f"domino[{setting}]", f"domino_noop[{setting}]", f"comm_only[{setting}]"
+        return DEEPSPEED, f"{DEEPSPEED}_noop", comm_only_arm(DEEPSPEED)
+    return f"domino[{setting}]", f"domino_noop[{setting}]", comm_only_arm(setting)
 
 
 def _roofline(arms: dict, setting: str, part: str) -> float:
@@ -96,7 +101,7 @@ def _row(result: dict, setting: str, domino: dict) -> dict:
     base, oracle = _median(arms, "baseline"), _median(arms, "oracle")
     row = {
         "setting": setting,
-        "implementation": "deepspeed" if setting == DEEPSPEED else "megatron-domino",
+        "implementation": DEEPSPEED if setting == DEEPSPEED else "megatron-domino",
         "chunks": domino.get("chunks", 2),
         "column_chunks": domino.get("column_chunks", 1),
         "split_along": domino.get("split_along", "batch"),
@@ -121,8 +126,8 @@ def _row(result: dict, setting: str, domino: dict) -> dict:
         "recorder_overlapped_fraction_fwd": _overlapped(overlap["fwd"]) if overlap else None,
         "recorder_overlapped_fraction_bwd": _overlapped(overlap["bwd"]) if overlap else None,
     }
-    if "deepspeed" in arms:
-        row["time_vs_deepspeed"] = _median(arms, arm) / _median(arms, "deepspeed")
+    if DEEPSPEED in arms:
+        row["time_vs_deepspeed"] = _median(arms, arm) / _median(arms, DEEPSPEED)
     return row
 
 
@@ -130,7 +135,7 @@ def setting_rows(result: dict) -> list[dict]:
     """One row per Domino setting of a case result written by the bench worker, and one for
     DeepSpeed-Domino (setting ``deepspeed``: p = 2, batch split) where the case ran it."""
     rows = [_row(result, setting, domino) for setting, domino in result["case"]["domino"].items()]
-    if "deepspeed" in result["arms"]:
+    if DEEPSPEED in result["arms"]:
         rows.append(_row(result, DEEPSPEED, {"chunks": 2}))
     return rows
 
@@ -148,7 +153,9 @@ def auto_check(result: dict) -> dict | None:
     if auto is None:
         return None
     arms = result["arms"]
-    medians = {setting: _median(arms, f"domino[{setting}]") for setting in result["case"]["domino"]}
+    medians = {
+        setting: _median(arms, arm_names(setting)[0]) for setting in result["case"]["domino"]
+    }
     fastest = min(medians, key=medians.get)
     ratio = medians[auto["choice"]] / medians[fastest]
     return {**auto, "fastest": fastest, "ratio": ratio, "within_2pct": ratio <= 1.02}

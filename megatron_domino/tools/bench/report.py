@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from megatron_domino.tools.bench.metrics import arm_names
+from megatron_domino.tools.bench.metrics import DEEPSPEED, arm_names
 from megatron_domino.tools.plots import pyplot, save
 
 TABLE_HEADER = (
@@ -54,10 +54,10 @@ def _deepspeed_table(cases: list[dict]) -> str:
     lines = []
     for case in cases:
         rows = {row["setting"]: row for row in case["rows"]}
-        deepspeed = rows.pop("deepspeed", None)
+        deepspeed = rows.pop(DEEPSPEED, None)
         if deepspeed is None:
             continue
-        ds_ms = deepspeed["arms"]["deepspeed"]["median_s"] * 1e3
+        ds_ms = deepspeed["arms"][arm_names(DEEPSPEED)[0]]["median_s"] * 1e3
         for setting, row in rows.items():
             dom_ms = row["arms"][arm_names(setting)[0]]["median_s"] * 1e3
             lines.append(

@@ -46,6 +46,7 @@ from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model, causa
 from megatron_domino.recorder import EventRecorder
 from megatron_domino.tools.bench.comm_only import CollectiveLog, replay, tp_collectives_logged
 from megatron_domino.tools.bench.deepspeed_arm import build_deepspeed_block, deepspeed_decoder
+from megatron_domino.tools.bench.metrics import DEEPSPEED, arm_names, comm_only_arm
 from megatron_domino.tools.bench.noop_collectives import tp_collectives_skipped
 from megatron_domino.tools.bench.sdpa_attention import sdpa_layer_spec
 
@@ -178,7 +179,7 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
     settings = {name: DominoConfig(**kw) for name, kw in case["domino"].items()}
     deepspeed_block = build_deepspeed_block(model) if case.get("deepspeed") else None
 
-    def arm(domino: DominoConfig | None, skip_collectives: bool, recorder=None, deepspeed=False):
+    def arm(domino=None, skip_collectives=False, recorder=None, deepspeed=False):
         @contextlib.contextmanager
         def context():
             with contextlib.ExitStack() as stack:
@@ -193,17 +194,19 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
 
         return context
 
-    arms = {"baseline": arm(None, False), "oracle": arm(None, True)}
-    for name, config in settings.items():
-        arms[f"domino[{name}]"] = arm(config, False)
-        arms[f"domino_noop[{name}]"] = arm(config, True)
-    logged = {"baseline": "baseline", **{name: f"domino[{name}]" for name in settings}}
+    # A row of the report: a Domino setting, or DeepSpeed's block; each has a real and a
+    # no-op arm, named by metrics.arm_names.
+    rows = {name: {"domino": config} for name, config in settings.items()}
+    if deepspeed_block is not None:
+        rows[DEEPSPEED] = {"deepspeed": True}
+    arms = {"baseline": arm(), "oracle": arm(skip_collectives=True)}
+    for name, kind in rows.items():
+        real, noop, _ = arm_names(name)
+        arms[real] = arm(**kind)
+        arms[noop] = arm(skip_collectives=True, **kind)
     deepspeed_check = None
     if deepspeed_block is not None:
-        arms["deepspeed"] = arm(None, False, deepspeed=True)
-        arms["deepspeed_noop"] = arm(None, True, deepspeed=True)
-        logged["deepspeed"] = "deepspeed"
-        deepspeed_check = _same_loss(model, batch, arms["baseline"], arms["deepspeed"])
+        deepspeed_check = _same_loss(model, batch, arms["baseline"], arms[arm_names(DEEPSPEED)[0]])
 
     def step_of(name: str):
         def step() -> tuple[float, float]:
@@ -214,6 +217,7 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
 
     steps = {name: step_of(name) for name in arms}
     collectives, comm_cpu = {}, {}
+    logged = {"baseline": "baseline", **{name: arm_names(name)[0] for name in rows}}
     for name, arm_name in logged.items():
         log = CollectiveLog()
         with arms[arm_name]():
@@ -224,7 +228,7 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
             for phase in ("fwd", "bwd")
         }
         comm_cpu[name] = {"fwd": [], "bwd": []}
-        steps[f"comm_only[{name}]"] = _comm_only_step(log, tp_group, comm_cpu[name])
+        steps[comm_only_arm(name)] = _comm_only_step(log, tp_group, comm_cpu[name])
 
     samples = {name: {"fwd": [], "bwd": [], "total": []} for name in steps}
     names = list(steps)
@@ -249,7 +253,7 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
     overlap, timelines = {}, {}
     for name, config in settings.items():
         recorder = EventRecorder()
-        with arm(config, False, recorder)():
+        with arm(domino=config, recorder=recorder)():
             _timed_step(model, batch)
         events = recorder.events()
         spans = collective_spans(events)
@@ -257,8 +261,7 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
             direction: asdict(summarize(spans, direction)) for direction in ("fwd", "bwd")
         }
         timelines[name] = [asdict(event) for event in events]
-    memory_arms = ["baseline"] + [f"domino[{name}]" for name in settings]
-    memory_arms += ["deepspeed"] if deepspeed_block is not None else []
+    memory_arms = ["baseline"] + [arm_names(name)[0] for name in rows]
     peak_memory = {}
     for name in memory_arms:
         with arms[name]():
@@ -270,7 +273,7 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
         "samples": samples,
         "collectives": collectives,
         "comm_only_cpu_s": {
-            name: {phase: statistics.median(v) for phase, v in phases.items()}
+            name: {phase: statistics.median(v[warmup:]) for phase, v in phases.items()}
             for name, phases in comm_cpu.items()
         },
         "auto": auto,
