@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import torch
 from megatron.core.transformer.attention import SelfAttention
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.transformer_block import TransformerBlock
+from megatron.core.transformer.transformer_block import TransformerBlock, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -40,6 +40,7 @@ __all__ = [
     "fsdp_problems",
     "layer_problems",
     "model_problems",
+    "pipeline_stage_problems",
     "raise_problems",
     "recompute_problems",
     "sharded_problems",
@@ -221,6 +222,7 @@ def config_problems(
         fp8=bool(model_config.fp8),
     )
     problems += config.shape_problems(hidden_size=model_config.hidden_size)
+    problems += pipeline_stage_problems(model_config)
     if config.split_along == "sequence":
         problems += _sequence_split_config_problems(model_config)
     if te_layers:
@@ -235,6 +237,41 @@ def config_problems(
             "linears; use --transformer-impl transformer_engine or drop --fp8-format"
         )
     return problems
+
+
+def pipeline_stage_problems(model_config) -> list[str]:
+    """Every (virtual) pipeline stage must hold a transformer layer for Domino to chunk.
+
+    Under PP (interleaved or not) Megatron-LM builds one model chunk per virtual stage and
+    Domino runs its schedule on each chunk's block. A layout can leave a stage without any
+    transformer layer (``--pipeline-model-parallel-layout`` such as ``E|tt|tt|L``, or
+    ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``
+    with one layer per virtual stage): that block has nothing to split and no TP collective
+    to hide, and a Domino run on it would be the stock path under Domino's name. The counts
+    are Megatron-Core's own (``get_num_layers_to_build`` per pipeline rank and virtual stage,
+    or the layout's table), so this runs on the flags, before any process group exists.
+    """
+    pipeline = model_config.pipeline_model_parallel_size
+    virtual = model_config.virtual_pipeline_model_parallel_size or 1
+    layout = model_config.pipeline_model_parallel_layout
+    empty = []
+    for stage in range(virtual):
+        for rank in range(pipeline):
+            if layout is not None:
+                layers = layout.layout[rank][stage].count(LayerType.decoder)
+            else:
+                vp_stage = stage if model_config.virtual_pipeline_model_parallel_size else None
+                layers = get_num_layers_to_build(model_config, vp_stage=vp_stage, pp_rank=rank)
+            if layers == 0:
+                empty.append(f"pipeline rank {rank} virtual stage {stage}")
+    if not empty:
+        return []
+    return [
+        f"no transformer layer on {', '.join(empty)} (the layout gives it only the embedding "
+        "or the loss), so Domino has nothing to chunk there; give every virtual stage at least "
+        "one layer (fewer virtual stages, a --pipeline-model-parallel-layout with a 't' in "
+        "every stage, or without --account-for-embedding/loss-in-pipeline-split)"
+    ]
 
 
 def _sequence_split_config_problems(model_config) -> list[str]:

@@ -239,3 +239,38 @@ def test_a_refused_run_writes_nothing(tmp_path):
     )
     assert "pretrain_gpt_domino.py: error: --micro-batch-size 2 is not divisible" in output
     assert list(tmp_path.iterdir()) == []
+
+
+#: TP = 2 x PP = 2 on four ranks, with four layers to place.
+PP2_DOMINO = [*TP2_DOMINO, "--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+
+
+@pytest.mark.parametrize(
+    "virtual",
+    [
+        ["--num-layers-per-virtual-pipeline-stage", "1"],
+        ["--num-virtual-stages-per-pipeline-rank", "2", "--sequence-parallel"],
+        ["--pipeline-model-parallel-layout", "Et|t|t|tL"],
+    ],
+)
+def test_interleaved_pipeline_layouts_with_a_layer_on_every_stage_pass(monkeypatch, virtual):
+    args = checked(monkeypatch, *PP2_DOMINO, *virtual, world_size=4)
+    assert args.virtual_pipeline_model_parallel_size == 2
+
+
+@pytest.mark.parametrize(
+    ("virtual", "empty"),
+    [
+        (["--pipeline-model-parallel-layout", "E|tt|tt|L"], "rank 0 virtual stage 0, "
+         "pipeline rank 1 virtual stage 1"),
+        (["--num-layers", "3", "--account-for-embedding-in-pipeline-split",
+          "--num-layers-per-virtual-pipeline-stage", "1"], "rank 0 virtual stage 0 ("),
+    ],
+)  # fmt: skip
+def test_a_virtual_stage_without_layers_is_refused_at_argument_time(monkeypatch, virtual, empty):
+    checked(monkeypatch, *PP2_DOMINO[1:], *virtual, world_size=4)  # Megatron-LM runs it
+    with pytest.raises(DominoUnsupportedError) as error:
+        checked(monkeypatch, *PP2_DOMINO, *virtual, world_size=4)
+    message = str(error.value)
+    assert f"no transformer layer on pipeline {empty}" in message
+    assert "give every virtual stage at least one layer" in message
