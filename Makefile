@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test demo bench gpu-check lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || { python=$$(PYTHON='$(PYTHON)' scripts/find_python.sh) && echo "creating $(VENV) with $$python" \
 		&& $$python -m venv $(VENV); }
 	@$(PY) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' || { echo "$(VENV) is not \
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	@echo "installing torch $(TORCH_VERSION): on Python 3.12 PyPI's CUDA build, ~5 GB, a few minutes (it runs on the CPU too)"
 	$(PY) -m pip install --progress-bar off torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e '.[dev,plot]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev,plot]'
 	touch $(STAMP)
 
 install: $(STAMP)

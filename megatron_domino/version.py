@@ -25,7 +25,8 @@ from packaging.version import InvalidVersion, Version
 #: version label (``0.19.1+ab12cd3``, what a git checkout reports) is accepted.
 TESTED_MEGATRON_CORE = SpecifierSet(">=0.19.1,<0.20")
 
-#: The release ``make`` installs and the suite runs against (pinned in ``pyproject.toml``).
+#: The release ``make`` installs and the suite runs against (pinned in ``constraints.txt``;
+#: ``pyproject.toml`` declares :data:`TESTED_MEGATRON_CORE`).
 PINNED_MEGATRON_CORE = "0.19.2"
 
 #: The last megatron-domino commit that supported megatron-core 0.16.x on Python 3.11.

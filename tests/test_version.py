@@ -1,18 +1,26 @@
-"""The version guard judges the Megatron-Core that is imported, not the installed wheel."""
+"""The version guard judges the Megatron-Core that is imported, not the installed wheel; the
+package declares the tested ranges, and ``make`` pins the tested release."""
 
+import itertools
 import subprocess
 import sys
 import textwrap
+import tomllib
+from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 from packaging.version import Version
 
 from megatron_domino.version import (
     PINNED_MEGATRON_CORE,
+    TE_MIN_VERSION,
     TESTED_MEGATRON_CORE,
     UnsupportedMegatronVersion,
     check_megatron_core_version,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_imported_release_is_accepted():
@@ -68,3 +76,26 @@ def test_a_checkout_on_pythonpath_is_judged_by_its_own_version(tmp_path):
     accepted = _check_with_checkout(tmp_path / "b", "0.19.1")
     assert accepted.returncode == 0, accepted.stderr
     assert accepted.stdout.strip() == "0.19.1"
+
+
+def _requirements() -> dict[str, Requirement]:
+    """pyproject.toml's requirements by name: the dependencies and every extra's."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    listed = [
+        *project["dependencies"],
+        *itertools.chain(*project["optional-dependencies"].values()),
+    ]
+    return {Requirement(line).name: Requirement(line) for line in listed}
+
+
+def test_the_package_declares_the_tested_ranges_and_make_pins_the_release():
+    # pip install megatron-domino keeps a user's 0.19.1 (an exact pin would replace it).
+    requirements = _requirements()
+    assert requirements["megatron-core"].specifier == TESTED_MEGATRON_CORE
+    transformer_engine = requirements["transformer-engine"].specifier
+    assert {s.operator for s in transformer_engine} == {">=", "<"}
+    (floor,) = (Version(s.version) for s in transformer_engine if s.operator == ">=")
+    assert floor == TE_MIN_VERSION
+    pins = [line for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line]
+    assert pins == [f"megatron-core=={PINNED_MEGATRON_CORE}"]
+    assert "-c constraints.txt" in (ROOT / "Makefile").read_text()
