@@ -8,7 +8,8 @@ script to Domino:
 
 * :func:`add_domino_args` (from :mod:`megatron_domino.config`) as (part of)
   ``extra_args_provider``: ``--domino`` and one flag per
-  :class:`~megatron_domino.config.DominoConfig` field on Megatron's own parser;
+  :class:`~megatron_domino.config.DominoConfig` field on Megatron's own parser
+  (:func:`add_args` adds the loop's flags too, for the patch);
 * :func:`check_args` once Megatron has validated its arguments: builds the
   :class:`~megatron_domino.config.DominoConfig` and runs every refusal that needs no built
   model (flag values, shapes, TP = 1, features Domino cannot combine with), so a bad command
@@ -17,25 +18,49 @@ script to Domino:
   every model chunk (and runs the structural refusals of
   :func:`~megatron_domino.apply.apply_domino` on the built layers).
 
-:func:`attach` is the last two in one call, for a script that checks nothing earlier: the patch
-for Megatron-LM's ``pretrain_gpt.py`` (``patches/``) calls it; ``pretrain_gpt_domino.py``
-checks its flags inside Megatron's validation and adds the hook with the config it got.
-Neither imports this module without ``--domino``.
+:func:`attach` is the last two in one call, for a script that checks nothing earlier, plus
+the loop hooks (``--log-json``, ``--domino-report``, ``--domino-ab``) and a one-message exit
+on a refused command line: the patch for Megatron-LM's ``pretrain_gpt.py`` (``patches/``)
+calls :func:`add_args` and :func:`attach` (and :func:`help_lists_domino` for ``--help``);
+``pretrain_gpt_domino.py`` checks its flags inside Megatron's validation and adds the hook
+with the config it got. Neither imports this module without ``--domino`` (the patch imports
+it for ``--help`` too, to list Domino's flags).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import NoReturn
 
 import torch
 
 from megatron_domino.apply import DominoHandle, apply_domino
 from megatron_domino.autotune import AutoTuner, candidate_configs
-from megatron_domino.config import AUTO, DominoConfig, DominoConfigError, add_domino_args
+from megatron_domino.config import (
+    AUTO,
+    DominoConfig,
+    DominoConfigError,
+    DominoUnsupportedError,
+    add_domino_args,
+)
+from megatron_domino.harness.patch import Patch
 from megatron_domino.refusals import config_problems, fsdp_problems, raise_problems
-from megatron_domino.version import check_megatron_core_version
+from megatron_domino.version import UnsupportedMegatronVersion, check_megatron_core_version
 
-__all__ = ["DominoModelHook", "add_domino_args", "add_hook", "attach", "check_args"]
+__all__ = [
+    "DominoModelHook",
+    "add_args",
+    "add_domino_args",
+    "add_hook",
+    "attach",
+    "check_args",
+    "help_lists_domino",
+]
 
 
 def check_args(args: argparse.Namespace) -> DominoConfig | AutoTuner | None:
@@ -108,13 +133,32 @@ class DominoModelHook:
         self.config = self.tuner.current if self.tuner else config
         self.handles: list[DominoHandle] = []
         self._chunks: list[torch.nn.Module] = []
+        #: The loop hooks :func:`attach` installed (closing it removes them), else ``None``.
+        self.loop_patches: contextlib.ExitStack | None = None
 
     def __call__(self, model_chunks: list[torch.nn.Module]) -> list[torch.nn.Module]:
         if self.handles:
             raise RuntimeError("The Domino model hook already ran; build the model once.")
         self._chunks = list(model_chunks)
         self.handles = [apply_domino(chunk, self.config) for chunk in model_chunks]
+        if torch.distributed.get_rank() == 0:
+            print(self.banner(), flush=True)
         return model_chunks
+
+    def banner(self) -> str:
+        """What runs, said once by rank 0 of either entry point, e.g. ``> Domino:
+        DominoConfig(chunks=2, ...) on 1 model chunk(s), TP 2, sequence parallel off``."""
+        from megatron.core import parallel_state
+
+        what = self.tuner if self.tuner else self.config
+        sequence_parallel = any(
+            getattr(chunk.config, "sequence_parallel", False) for chunk in self._chunks
+        )
+        return (
+            f"> Domino: {what!r} on {len(self._chunks)} model chunk(s), TP "
+            f"{parallel_state.get_tensor_model_parallel_world_size()}, sequence parallel "
+            f"{'on' if sequence_parallel else 'off'}"
+        )
 
     @property
     def tuning(self) -> bool:
@@ -128,12 +172,18 @@ class DominoModelHook:
         built after this hook keep, so reverting and re-applying between iterations changes
         the schedule only; parameters, gradients and optimizer state are untouched."""
         next_config = self.tuner.record(seconds)
-        if next_config is None:
-            return
+        if next_config is not None:
+            self.switch(next_config)
+
+    def switch(self, config: DominoConfig | None) -> None:
+        """Between optimizer steps: every model chunk to ``config``, or to stock for ``None``
+        (``--domino-ab``; :attr:`config` stays the Domino setting to switch back to)."""
         for handle in self.handles:
             handle.revert()
-        self.handles = [apply_domino(chunk, next_config) for chunk in self._chunks]
-        self.config = next_config
+        self.handles = []
+        if config is not None:
+            self.handles = [apply_domino(chunk, config) for chunk in self._chunks]
+            self.config = config
 
 
 def add_hook(model_config, config: DominoConfig | AutoTuner) -> DominoModelHook:
@@ -144,21 +194,88 @@ def add_hook(model_config, config: DominoConfig | AutoTuner) -> DominoModelHook:
     return hook
 
 
+def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The patch's ``extra_args_provider`` part: ``--domino*`` (:func:`add_domino_args`), the
+    loop's ``--log-json``/``--domino-report``/``--domino-ab``
+    (:func:`~megatron_domino.training.loop_hooks.add_loop_hook_args`), and help strings that
+    ``--help`` can print (:func:`~megatron_domino.parser_help.escape_help`)."""
+    from megatron_domino.parser_help import escape_help
+    from megatron_domino.training.loop_hooks import add_loop_hook_args
+
+    return escape_help(add_loop_hook_args(add_domino_args(parser)))
+
+
+def help_lists_domino() -> None:
+    """For ``--help`` through the patch: Megatron-LM's ``pretrain_gpt.py`` parses its command
+    line once before its ``extra_args_provider`` is used (in-process restart's
+    ``parse_args(ignore_unknown_args=True)``), and ``--help`` prints and exits there. So for
+    the rest of the process ``megatron.training.arguments.add_megatron_arguments`` (looked up
+    by ``parse_args`` at call time) also runs :func:`add_args`: the help lists Domino's and
+    the loop's flags, and prints (:func:`~megatron_domino.parser_help.escape_help`)."""
+    from megatron.training import arguments
+
+    add_megatron_arguments = arguments.add_megatron_arguments
+    patch = Patch(
+        arguments,
+        "add_megatron_arguments",
+        lambda parser: add_args(add_megatron_arguments(parser)),
+        "--help lists Domino's flags and survives megatron-core 0.19's bare '%'",
+    )
+    stack = contextlib.ExitStack()
+    stack.enter_context(patch.applied())
+    atexit.register(stack.close)
+
+
+def _refuse(err: Exception) -> NoReturn:
+    """Every rank fails alike: rank 0 says why in one message, all exit with status 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def _patch_config(args: argparse.Namespace) -> DominoConfig:
+    """:func:`check_args` plus the loop flags' checks, for a loop that is Megatron-LM's own."""
+    from megatron_domino.training.loop_hooks import loop_hook_problems
+
+    problems = loop_hook_problems(args)
+    if args.domino_chunks == AUTO:
+        problems.append(
+            "--domino-chunks auto times candidate settings on the first iterations, which "
+            "pretrain_gpt_domino.py does and this patch does not: run pretrain_gpt_domino.py, "
+            "or give --domino-chunks a number here."
+        )
+    if problems:
+        raise DominoConfigError("\n".join(problems))
+    return check_args(args)
+
+
 def attach(model_config, args: argparse.Namespace) -> DominoModelHook | None:
-    """:func:`check_args`, then :func:`add_hook` (``None`` without ``--domino``).
+    """What the patch of Megatron-LM's ``pretrain_gpt.py`` calls once its arguments are
+    validated, before ``pretrain()``: ``None`` without ``--domino``; with it, every check of
+    :func:`check_args` and of the loop flags, Domino's hook on ``model_config``
+    (:func:`add_hook`, which prints the banner on rank 0 when the model is built), and the
+    loop hooks of ``--log-json``/``--domino-report``/``--domino-ab`` installed on
+    ``megatron.training.training`` for the rest of the process (the script ends after
+    ``pretrain()``; :attr:`DominoModelHook.loop_patches` closes them earlier).
+
+    A refused command line ends the process with status 2 and one message on rank 0 (no
+    traceback on every rank), as ``pretrain_gpt_domino.py`` does.
 
     Args:
         model_config: Megatron-LM's ``GPTModelConfig`` (``gpt_config_from_args(args)``).
         args: Megatron's validated arguments.
-    Raises:
-        DominoConfigError: ``--domino-chunks auto``, which needs a loop that times its
-            iterations and calls :meth:`DominoModelHook.tune` (``pretrain_gpt_domino.py``).
     """
-    if args.domino and args.domino_chunks == AUTO:
-        raise DominoConfigError(
-            "--domino-chunks auto times candidate settings on the first iterations, which "
-            "pretrain_gpt_domino.py does and Megatron-LM's pretrain_gpt.py does not: run "
-            "pretrain_gpt_domino.py, or give --domino-chunks a number here."
-        )
-    config = check_args(args)
-    return None if config is None else add_hook(model_config, config)
+    if not args.domino:
+        return None
+    from megatron_domino.training.loop_hooks import LoopHooks
+
+    try:
+        config = _patch_config(args)
+    except (DominoConfigError, DominoUnsupportedError, UnsupportedMegatronVersion) as err:
+        _refuse(err)
+    hook = add_hook(model_config, config)
+    hook.loop_patches = contextlib.ExitStack()
+    for patch in LoopHooks.from_args(args, hook).patches():
+        hook.loop_patches.enter_context(patch.applied())
+    atexit.register(hook.loop_patches.close)
+    return hook

@@ -14,6 +14,14 @@ rank (the one that writes ``--log-json``) prints its report
 (:mod:`megatron_domino.analysis.report`) and writes its totals as
 ``{"kind": "domino_report", "iteration", ...}``. The reported iterations pay for recording
 (a Python call per event, a CUDA event on GPU), so their times are slightly higher.
+
+The hidden share is of Domino's own collectives' flight: it says nothing about whether the
+run is faster than stock (a run can hide 40 % and still be slower, the chunks costing more
+than the waits they remove). So each report ends with a line *against stock*: with
+``--domino-ab`` the comparison's result (stock's and Domino's step time and exposed TP wait,
+Domino's chunking cost; the report then records after it), and without it a line that says
+no stock reference was timed and how to get one; the ``domino_report`` record carries the
+same as ``against_stock`` (``None`` without ``--domino-ab``).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from megatron_domino.analysis.report import report_lines, report_totals
 from megatron_domino.analysis.spans import collective_spans
 from megatron_domino.recorder import EventRecorder
 from megatron_domino.state import DominoRuntime
+from megatron_domino.training.domino_ab import DominoAB
 
 
 class DominoOverlapReport:
@@ -36,11 +45,19 @@ class DominoOverlapReport:
         runtimes: the Domino runtimes of this rank's model chunks; read when recording starts
             (the model is built after the report is created).
         count: how many iterations to record (``--domino-report-iters``).
+        against_stock: the run's ``--domino-ab`` comparison (done before the report
+            records), or ``None``.
     """
 
-    def __init__(self, runtimes: Callable[[], list[DominoRuntime]], count: int) -> None:
+    def __init__(
+        self,
+        runtimes: Callable[[], list[DominoRuntime]],
+        count: int,
+        against_stock: DominoAB | None = None,
+    ) -> None:
         self._runtimes = runtimes
         self._count = count
+        self._against_stock = against_stock
         self._iterations: range | None = None
         self._recorded: dict[int, EventRecorder] = {}
 
@@ -82,15 +99,29 @@ class DominoOverlapReport:
             return
         spans = collective_spans(recorder.events())
         clock = "CUDA events" if recorder.use_cuda_events else "wall clock"
+        ab = self._against_stock
         write(
             {
                 "kind": "domino_report",
                 "iteration": iteration,
                 **report_totals(spans),
                 "clock": clock,
+                "against_stock": ab.record_dict() if ab else None,
             }
         )
         rank = torch.distributed.get_rank()
         if rank == torch.distributed.get_world_size() - 1:
             lines = report_lines(spans, iteration=iteration, clock=clock, rank=rank)
-            print("\n".join(lines), flush=True)
+            print("\n".join([*lines, self.against_stock_line()]), flush=True)
+
+    def against_stock_line(self) -> str:
+        """The report's last line: how the run compares with stock, or that it was not timed."""
+        if self._against_stock is None:
+            return (
+                "[domino-report] against stock: not timed in this run. The hidden share above "
+                "is of Domino's own collectives, not a speed-up (the chunks cost time too): "
+                "add --domino-ab N to time stock and Domino alternately in this run."
+            )
+        return (
+            f"[domino-report] against stock (--domino-ab, this run): {self._against_stock.line()}"
+        )

@@ -19,15 +19,23 @@ by step needs a per-iteration source. The hooks wrap two functions the loop look
   test set); ``final`` is true for the evaluations Megatron runs after the last iteration,
   which repeat the last in-training one when ``--eval-interval`` divides ``--train-iters``.
 
+With ``--domino-ab N`` (:mod:`.domino_ab`) the first steps alternate stock and Domino and
+each step's time and TP waits (:mod:`.tp_wait`) go to the comparison, which prints one line
+and writes ``{"kind": "domino_ab", "iteration", "ratio", ...}``; the report then records
+after it and carries its "against stock" numbers.
+
 The loss is the one ``train_step`` returns: Megatron's token-weighted mean over the global
 batch, known on the last pipeline stage, so the last rank writes the file (it is on the last
-stage in Megatron's rank order). Seconds are measured around ``train_step`` after a device
-synchronisation.
+stage in Megatron's rank order). Seconds are measured around ``train_step``, between device
+synchronisations only when an output reads them (``--log-json``, ``--domino-chunks auto``,
+``--domino-ab``); otherwise the step runs unsynchronised and ``seconds`` is not recorded
+(no ``--log-json``, nothing to record it in).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from pathlib import Path
 
@@ -35,9 +43,11 @@ import torch
 from megatron.training import training as megatron_training
 
 from megatron_domino.harness.patch import Patch
+from megatron_domino.training.domino_ab import STOCK, DominoAB
 from megatron_domino.training.runs import append_record
+from megatron_domino.training.tp_wait import TPWaitClock
 
-__all__ = ["LoopHooks", "add_loop_hook_args"]
+__all__ = ["LoopHooks", "add_loop_hook_args", "loop_hook_problems"]
 
 
 def add_loop_hook_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -64,7 +74,59 @@ def add_loop_hook_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         metavar="N",
         help="How many iterations --domino-report records. Default: 3.",
     )
+    group.add_argument(
+        "--domino-ab",
+        type=int,
+        default=0,
+        metavar="N",
+        help="With --domino: after a warm-up step of each, run N stock and N Domino "
+        "optimizer steps alternately in this run (ordinary training steps; Domino is "
+        "reverted and re-applied between them), then print each arm's median step time, "
+        "the ratio, and the exposed TP wait of each; also to --log-json. Needs "
+        "--train-iters >= 2N+2. Default: 0 (off).",
+    )
     return parser
+
+
+def loop_hook_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the flags of :func:`add_loop_hook_args` (empty when nothing).
+
+    Checked at argument time by both entry points, before anything is written."""
+    from megatron_domino.config import AUTO
+
+    problems = []
+    if args.domino_report and not args.domino:
+        problems.append("--domino-report reports Domino's overlap; add --domino.")
+    if args.domino_report_iters < 1:
+        problems.append(f"--domino-report-iters must be >= 1, got {args.domino_report_iters}.")
+    if args.domino_ab < 0:
+        problems.append(f"--domino-ab must be >= 0 (0: off), got {args.domino_ab}.")
+    if args.domino_ab <= 0:
+        return problems
+    if not args.domino:
+        problems.append("--domino-ab compares stock with Domino's setting; add --domino.")
+    elif args.domino_chunks == AUTO:
+        problems.append(
+            "--domino-ab times one Domino setting against stock and --domino-chunks auto "
+            "switches settings on the same first steps: give --domino-chunks a number, or "
+            "drop --domino-ab (auto prints every candidate's time)."
+        )
+    needed = DominoAB.steps_needed(args.domino_ab)
+    if args.domino_report:
+        needed += args.domino_report_iters + 1  # the report records after the comparison
+    if args.train_iters is not None and args.train_iters < needed:
+        also = (
+            f" and {args.domino_report_iters + 1} for --domino-report" if args.domino_report else ""
+        )
+        problems.append(
+            f"--domino-ab {args.domino_ab} needs {DominoAB.steps_needed(args.domino_ab)} "
+            f"training iterations (a warm-up step of each arm, then {args.domino_ab} each)"
+            f"{also}, but --train-iters is {args.train_iters}: train longer or lower "
+            "--domino-ab."
+        )
+    if args.train_iters is None:
+        problems.append("--domino-ab counts iterations: give --train-iters, not --train-samples.")
+    return problems
 
 
 def _synchronize() -> None:
@@ -76,6 +138,14 @@ def _is_last_rank() -> bool:
     return torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
 
 
+def _slowest(*values: float) -> list[float]:
+    """Each value's maximum over the ranks (every rank must feed the same times)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return tensor.tolist()
+
+
 class LoopHooks:
     """The wrappers of ``train_step`` and ``evaluate`` for one run.
 
@@ -83,17 +153,46 @@ class LoopHooks:
         log_json: path of the JSON-lines file (``--log-json``), or ``None``.
         domino_report: the overlap report (``--domino-report``), or ``None``.
         domino_hook: Domino's model hook, whose tuner (``--domino-chunks auto``) gets the
-            step times; ``None`` without ``--domino``.
+            step times and which switches between stock and Domino for ``domino_ab``;
+            ``None`` without ``--domino``.
+        domino_ab: the stock-vs-Domino comparison (``--domino-ab``), or ``None``.
     """
 
-    def __init__(self, log_json: str | None, domino_report=None, domino_hook=None) -> None:
+    def __init__(
+        self,
+        log_json: str | None,
+        domino_report=None,
+        domino_hook=None,
+        domino_ab: DominoAB | None = None,
+    ) -> None:
         self._log_json = Path(log_json) if log_json else None
         self._domino_report = domino_report
         self._domino_hook = domino_hook
+        self._domino_ab = domino_ab
+        self._tp_wait = TPWaitClock() if domino_ab else None
         self._train_step = megatron_training.train_step
         self._evaluate = megatron_training.evaluate
         self._evaluate_and_print_results = megatron_training.evaluate_and_print_results
         self._evaluating: tuple[str, int, bool] | None = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, domino_hook=None) -> LoopHooks:
+        """The hooks ``args`` ask for (flags checked by :func:`loop_hook_problems`), around
+        ``domino_hook`` (:func:`~megatron_domino.megatron_lm.add_hook`'s, or ``None``)."""
+        report = domino_ab = None
+        if domino_hook is not None and args.domino_ab > 0:
+            from megatron_domino.autotune import setting_name
+
+            domino_ab = DominoAB(setting_name(domino_hook.config), args.domino_ab)
+        if domino_hook is not None and args.domino_report:
+            from megatron_domino.training.domino_report import DominoOverlapReport
+
+            report = DominoOverlapReport(
+                lambda: [handle.runtime for handle in domino_hook.handles],
+                args.domino_report_iters,
+                against_stock=domino_ab,
+            )
+        return cls(args.log_json, report, domino_hook, domino_ab)
 
     def patches(self) -> tuple[Patch, ...]:
         return (
@@ -118,17 +217,21 @@ class LoopHooks:
         optimizer = args[3] if len(args) > 3 else kwargs["optimizer"]
         learning_rate = optimizer.param_groups[0]["lr"]  # the one this step applies
         tuning = self._domino_hook is not None and self._domino_hook.tuning
-        report = self._domino_report if not tuning else None
-        recording = report.recording if report else None
-        _synchronize()
-        start = time.perf_counter()
-        if recording is not None:
-            with recording(step):
-                result = self._train_step(*args, iteration=iteration, **kwargs)
-        else:
+        comparing = self._domino_ab is not None and not self._domino_ab.done
+        report = self._domino_report if not (tuning or comparing) else None
+        timed = self._log_json is not None or tuning or comparing
+        with contextlib.ExitStack() as around:
+            if report is not None:
+                around.enter_context(report.recording(step))
+            if comparing:
+                around.enter_context(self._tp_wait.measuring())
+            if timed:
+                _synchronize()
+            start = time.perf_counter()
             result = self._train_step(*args, iteration=iteration, **kwargs)
-        _synchronize()
-        seconds = time.perf_counter() - start
+            if timed:
+                _synchronize()
+            seconds = time.perf_counter() - start
         loss_dict, skipped, grad_norm = result[0], result[1], result[5]
         if "lm loss" in loss_dict:
             self.write(
@@ -144,21 +247,32 @@ class LoopHooks:
             )
         if tuning:
             self._tune(step, seconds)
+        elif comparing:
+            self._compare(step, seconds)
         elif report is not None:
             report.report(step, self.write)
         return result
 
     def _tune(self, step: int, seconds: float) -> None:
         """Feed the slowest rank's step time to the tuner; say what it chose when done."""
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        slowest = torch.tensor([seconds], dtype=torch.float64, device=device)
-        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
         hook = self._domino_hook
-        hook.tune(float(slowest))
+        hook.tune(_slowest(seconds)[0])
         if not hook.tuning:
             if torch.distributed.get_rank() == 0:
                 print(hook.tuner.summary(), flush=True)
             self.write({"kind": "domino_auto", "iteration": step, **hook.tuner.record_dict()})
+
+    def _compare(self, step: int, seconds: float) -> None:
+        """Feed the step (slowest rank's time, most-blocked rank's TP wait) to the A/B;
+        switch the model between stock and Domino; say the answer when done."""
+        ab, hook = self._domino_ab, self._domino_hook
+        next_arm = ab.record(*_slowest(seconds, self._tp_wait.take()))
+        if next_arm is not None:
+            hook.switch(None if next_arm == STOCK else hook.config)
+        if ab.done:
+            if torch.distributed.get_rank() == 0:
+                print(ab.line(), flush=True)
+            self.write({"kind": "domino_ab", "iteration": step, **ab.record_dict()})
 
     def evaluate_and_print_results(self, prefix, *args, **kwargs):
         """Megatron's evaluation of one set; names the set and iteration for :meth:`evaluate`.

@@ -5,7 +5,7 @@ The order is Megatron-LM's, with Domino's pieces where Megatron-LM leaves room f
 1. the Megatron-Core that is imported is checked against the tested releases;
 2. Megatron's own ``parse_and_validate_args`` parses every Megatron-LM flag, with
    ``extra_args_provider`` adding ``--domino*`` (:func:`~megatron_domino.config.add_domino_args`)
-   and this script's ``--log-json``/``--domino-report``; right after Megatron's
+   and this script's ``--log-json``/``--domino-report``/``--domino-ab``; right after Megatron's
    ``validate_args``, and before it builds the tokenizer or opens any log, the checks run:
    with ``--domino`` Domino's (:func:`~megatron_domino.megatron_lm.check_args`, which builds
    the one :class:`~megatron_domino.config.DominoConfig` of the run), the flags this GPT path
@@ -50,13 +50,14 @@ from megatron_domino.config import (
 from megatron_domino.data.files import DataFileError
 from megatron_domino.harness.distributed import export_torchrun_environment
 from megatron_domino.harness.patch import Patch
+from megatron_domino.parser_help import escape_help
 from megatron_domino.training.gpt_steps import (
     forward_step,
     train_valid_test_datasets_provider,
     unsupported_flags,
 )
 from megatron_domino.training.inputs import CheckpointError, check_run_inputs, clear_load_errors
-from megatron_domino.training.loop_hooks import LoopHooks, add_loop_hook_args
+from megatron_domino.training.loop_hooks import LoopHooks, add_loop_hook_args, loop_hook_problems
 from megatron_domino.training.loop_runtime import megatron_loop_runtime
 from megatron_domino.version import UnsupportedMegatronVersion, check_megatron_core_version
 
@@ -71,34 +72,43 @@ class StartupError(ValueError):
 
 
 def _extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    return add_loop_hook_args(add_domino_args(parser))
+    return escape_help(add_loop_hook_args(add_domino_args(parser)))
 
 
 def _script_checks(args: argparse.Namespace) -> DominoConfig | None:
     """Checks of this script's own flags and of what its GPT path implements; the run's
-    Domino config (``None`` without ``--domino``)."""
-    unsupported = unsupported_flags(args)
-    if unsupported:
-        raise StartupError(
-            f"pretrain_gpt_domino.py trains dense GPT models and does not implement "
-            f"{', '.join(unsupported)}; run Megatron-LM's pretrain_gpt.py with the patch in "
-            "megatron-domino's patches/ instead."
-        )
+    Domino config (``None`` without ``--domino``).
+
+    Domino's checks come before the GPT path's, so a feature Domino refuses (context
+    parallelism, MoE) is refused with Domino's reason rather than pointed at the patched
+    ``pretrain_gpt.py``, which would refuse it the same way."""
     if args.distributed_backend == "nccl" and not torch.cuda.is_available():
         raise StartupError(
             "There is no CUDA device here and NCCL needs one: add --distributed-backend gloo "
             "to run on the CPU."
         )
-    if args.domino_report and not args.domino:
-        raise StartupError("--domino-report reports Domino's overlap; add --domino.")
-    if args.domino_report_iters < 1:
-        raise StartupError(f"--domino-report-iters must be >= 1, got {args.domino_report_iters}.")
+    problems = loop_hook_problems(args)
+    if problems:
+        raise StartupError("\n".join(problems))
     domino_config = None
     if args.domino:
         from megatron_domino.megatron_lm import check_args
 
         domino_config = check_args(args)
         _check_tuning_fits(args, domino_config)
+    unsupported = unsupported_flags(args)
+    if unsupported:
+        where = (
+            "Domino's own checks accept this command line, so Megatron-LM's pretrain_gpt.py "
+            "with the patch in megatron-domino's patches/ runs it with --domino"
+            if args.domino
+            else "Megatron-LM's own pretrain_gpt.py runs it (its patch in megatron-domino's "
+            "patches/ adds --domino)"
+        )
+        raise StartupError(
+            f"pretrain_gpt_domino.py trains dense GPT models and does not implement "
+            f"{', '.join(unsupported)}; {where}."
+        )
     check_run_inputs(args)
     return domino_config
 
@@ -152,11 +162,11 @@ def _check_layout(args: argparse.Namespace, model_chunks: list) -> list:
     return model_chunks
 
 
-def _announce(domino_config, model_chunks: list) -> list:
-    """Pre-wrap hook, last: say on rank 0 whether Domino runs, and on how many chunks."""
+def _announce_off(model_chunks: list) -> list:
+    """Pre-wrap hook without ``--domino``: say so on rank 0 (with it, Domino's hook prints
+    its banner, :meth:`~megatron_domino.megatron_lm.DominoModelHook.banner`)."""
     if torch.distributed.get_rank() == 0:
-        what = f"{domino_config} on {len(model_chunks)} model chunk(s)" if domino_config else "off"
-        print(f"> Domino: {what}", flush=True)
+        print("> Domino: off", flush=True)
     return model_chunks
 
 
@@ -180,18 +190,14 @@ def _run() -> None:
     args, domino_config = _parse_args()
     model_config = gpt_config_from_args(args)
     model_config.pre_wrap_hooks.append(functools.partial(_check_layout, args))
-    domino_report = hook = None
+    hook = None
     if domino_config is not None:
         from megatron_domino.megatron_lm import add_hook
-        from megatron_domino.training.domino_report import DominoOverlapReport
 
         hook = add_hook(model_config, domino_config)
-        if args.domino_report:
-            domino_report = DominoOverlapReport(
-                lambda: [handle.runtime for handle in hook.handles], args.domino_report_iters
-            )
-    model_config.pre_wrap_hooks.append(functools.partial(_announce, domino_config))
-    hooks = LoopHooks(args.log_json, domino_report, hook)
+    else:
+        model_config.pre_wrap_hooks.append(_announce_off)
+    hooks = LoopHooks.from_args(args, hook)
     with contextlib.ExitStack() as stack:
         for patch in (*hooks.patches(), clear_load_errors()):
             stack.enter_context(patch.applied())
