@@ -20,15 +20,17 @@ attention for ``sq != sk`` depends on the implementation:
   Megatron's ``is_kernel_available`` allows it for ``[b, np, sq, sk]`` (else the torch
   softmax), with the chunk's explicit mask rows ``[*, 1, sq, sk]`` (contiguous: the kernel
   reads them as a dense array). Which rows: where the stock layer would have run the
-  upper-triangular kernel on ``[s, s]`` (so ignored any mask passed), the causal rows, else
-  the given mask's rows (:func:`_chunk_mask`); either way what stock computes for those
-  queries.
+  upper-triangular kernel on ``[s, s]`` (so ignored any mask passed), or where no mask was
+  passed (Megatron then means causal), the causal rows (:func:`causal_rows`, built once per
+  shape and device, never the dense ``[s, s]`` mask), else the given mask's rows
+  (:func:`_chunk_mask`); either way what stock computes for those queries.
 * **Transformer Engine's** ``DotProductAttention`` (Megatron's ``TEDotProductAttention``):
   TE aligns ``"causal"`` to the *top-left* corner of the ``[sq, sk]`` score matrix (query
   ``i`` sees keys ``j <= i``), and ``"causal_bottom_right"`` to the bottom-right (``j <= i +
   sk - sq``), which is the causal mask of the last ``sq`` positions. Chunk 0 (``sq == sk``,
   where both agree) keeps the stock ``causal``; later chunks pass ``causal_bottom_right`` and
-  no mask tensor (TE's documented contract for causal types). TE's flash, cuDNN and unfused
+  no mask tensor (TE's documented contract for causal types; chunk 0 gets the caller's mask
+  rows, ``None`` when it passed none: no mask is built for TE). TE's flash, cuDNN and unfused
   backends implement the bottom-right type; TE picks one per call from the shapes and mask
   type (the chunks' differing shapes can make it redo that selection on every call: host
   time). Not yet run on real TE (``tests/test_transformer_engine_gpu.py`` has the case).
@@ -40,6 +42,7 @@ keys as in the unsplit layer (the keys it drops are the masked future ones).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -49,7 +52,7 @@ from megatron.core.transformer.enums import AttnMaskType
 if TYPE_CHECKING:
     from megatron_domino.state import DominoRuntime
 
-__all__ = ["core_attention_forward", "local_attend", "te_attend"]
+__all__ = ["causal_rows", "core_attention_forward", "local_attend", "te_attend"]
 
 
 def core_attention_forward(
@@ -128,7 +131,8 @@ def _chunk_mask(
     The stock layer, on ``[b, np, s, s]`` with ``s = p * sq``, runs the fused upper-triangular
     kernel when Megatron's ``is_kernel_available`` allows it (and there is no softmax
     offset), which applies the causal mask whatever mask was passed; otherwise the torch
-    softmax applies the passed mask. ``attention_mask`` is the chunk's rows of the latter.
+    softmax applies the passed mask, or with none Megatron's default causal one.
+    ``attention_mask`` is the chunk's rows of the passed mask, or ``None``.
     """
     sq, b, heads = query.shape[:3]
     sk = key.shape[0]
@@ -136,11 +140,26 @@ def _chunk_mask(
     stock_fused = getattr(module, "softmax_offset", None) is None and softmax.is_kernel_available(
         None, b, heads, sq * chunks, sq * chunks
     )
-    if not stock_fused:
+    if attention_mask is not None and not stock_fused:
         return attention_mask
-    # Causal rows of the last sq of sk positions: key j masked for query i when j > i + sk - sq.
-    ones = torch.ones(sq, sk, dtype=torch.bool, device=query.device)
-    return torch.triu(ones, diagonal=sk - sq + 1).view(1, 1, sq, sk)
+    return causal_rows(sq, sk, query.device)
+
+
+@functools.lru_cache(maxsize=64)
+def causal_rows(sq: int, sk: int, device: torch.device) -> torch.Tensor:
+    """The causal mask's rows for the last ``sq`` of ``sk`` positions: ``[1, 1, sq, sk]`` bool,
+    True where key ``j > i + sk - sq`` is masked for query ``i``.
+
+    Chunk ``c`` of ``p`` has ``sq = s/p`` and ``sk = (c+1)s/p``: the rows
+    ``[c*s/p, (c+1)*s/p)``, key columns ``[0, (c+1)*s/p)``, of the ``[s, s]`` causal mask,
+    which is never built. Every layer and every forward reads the same rows, so they are built
+    once per ``(sq, sk, device)`` and shared (read only: the softmax and autograd never write
+    a mask). Built outside inference mode, so that a training forward after an inference one
+    may save it for backward.
+    """
+    with torch.inference_mode(False):
+        ones = torch.ones(sq, sk, dtype=torch.bool, device=device)
+        return torch.triu(ones, diagonal=sk - sq + 1).view(1, 1, sq, sk)
 
 
 @contextlib.contextmanager

@@ -9,10 +9,13 @@ Two splits (``DominoConfig.split_along``):
   attention works per token; under a causal mask, chunk ``c`` attends to the keys of chunks
   ``0..c`` only, which the wavefront schedule has computed before it (chunk ``c`` runs ``c``
   ops behind chunk 0; :mod:`megatron_domino.chunk_attention` supplies them). So chunk ``c``
-  gets mask rows ``[c*s/p, (c+1)*s/p)`` against key columns ``[0, (c+1)*s/p)`` (of the
-  causal mask, built here when the caller passes none) and its own rows of the rotary
-  embedding ``[s, 1, 1, d]``. This split works at micro-batch 1, where
-  the batch split has nothing to split.
+  gets the rows ``[c*s/p, (c+1)*s/p)`` against key columns ``[0, (c+1)*s/p)`` of the mask
+  the caller passed, and its own rows of the rotary embedding ``[s, 1, 1, d]``. With no mask
+  (Megatron then means causal) none is built here: Transformer Engine's attention never reads
+  one for causal types, and Megatron's local attention builds only the chunk's causal rows
+  (:func:`megatron_domino.chunk_attention.causal_rows`), never the dense ``[s, s]`` mask
+  (``s**2`` bytes per block forward: 1 GiB at ``s = 32k``). This split works at micro-batch
+  1, where the batch split has nothing to split.
 
 **Sequence split under sequence parallelism.** Stock SP gives TP rank ``r`` of ``t`` the
 contiguous tokens ``[r*s/t, (r+1)*s/t)``. A chunk must be a contiguous token range of the
@@ -50,9 +53,9 @@ def make_chunks(
     """The ``p`` chunks of ``hidden_states`` ``[s, b, h]``, each with its attention inputs.
 
     Args:
-        attention_inputs: the block's ``attention_mask`` (``[1 or b, 1, s, s]``),
-            ``attention_bias`` and rotary embeddings, as the stock block passes them to each
-            layer's self-attention.
+        attention_inputs: the block's ``attention_mask`` (``[1 or b, 1, s, s]``, or
+            ``None``: causal, passed on as ``None``), ``attention_bias`` and rotary
+            embeddings, as the stock block passes them to each layer's self-attention.
         sequence_shards: under the sequence split with sequence parallelism, the TP size
             ``t``: ``hidden_states`` is then this rank's ``[s/t, b, h]`` in the chunk-major
             layout of :func:`to_chunk_major`, while masks and rotary rows cover all ``s``.
@@ -68,10 +71,6 @@ def make_chunks(
     else:
         size *= sequence_shards  # the whole sequence, which masks and rotary rows cover
         config.check_shapes(seq_length=size, sequence_parallel_size=sequence_shards)
-        if attention_inputs.get("attention_mask") is None:
-            # Megatron's default causal mask is square; chunk c's queries need rows of it.
-            mask = causal_attention_mask(size, hidden_states.device)
-            attention_inputs = {**attention_inputs, "attention_mask": mask}
     return [
         ChunkState(
             index=c,

@@ -31,6 +31,7 @@ import dataclasses
 import fused_softmax_stand_in
 import pytest
 import torch
+from allocations import BoolTensors
 from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
 from multiproc import run_on_ranks
 from tiny_models import LLAMA_STYLE, TINY
@@ -47,8 +48,9 @@ from megatron_domino.analysis.equivalence import (
 )
 from megatron_domino.analysis.spans import collective_spans
 from megatron_domino.apply import apply_domino
+from megatron_domino.chunk_attention import causal_rows
 from megatron_domino.config import DominoConfig
-from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
+from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
 from megatron_domino.harness.settings import domino_configs
 from megatron_domino.recorder import EventRecorder
 
@@ -103,20 +105,44 @@ def test_collectives_match_the_schedule_and_overlap():
             assert not violations, (setting, violations[:3])
 
 
-def _without_a_mask() -> float:
+def _without_a_mask() -> dict:
     """Domino's sequence split with no attention mask (Megatron then means causal) against the
-    same with the explicit causal mask."""
+    same with the explicit causal mask; the boolean ``[s, s]`` tensors the former created, and
+    the masks its softmax calls got in two forwards."""
     options = MODELS["rmsnorm-swiglu-rope-gqa"]
     model = build_gpt_model(options)
     batch = token_batch(options, 1)
+    implicit_batch = {**batch, "attention_mask": None}
+    causal_rows.cache_clear()
     with apply_domino(model, DominoConfig(chunks=4, split_along="sequence")):
         explicit = forward_backward(model, batch)
-        implicit = forward_backward(model, {**batch, "attention_mask": None})
-    return max_abs_error(implicit, explicit)
+        with BoolTensors(options.seq_length) as created:
+            implicit = forward_backward(model, implicit_batch)
+        with fused_softmax_stand_in.installed():
+            calls = _softmax_calls(model, implicit_batch) + _softmax_calls(model, implicit_batch)
+    return dict(
+        error=max_abs_error(implicit, explicit),
+        created=created.found,
+        masks=[(c.sq, c.sk, c.mask) for c in calls],
+        built=causal_rows.cache_info().misses,
+    )
 
 
 def test_a_missing_mask_means_causal():
-    assert run_on_ranks(_without_a_mask, 2)[0] == 0.0
+    """No mask: the same loss and gradients as with the explicit causal mask, without building
+    it (no ``[s, s]`` boolean tensor): each chunk's softmax gets the causal mask's rows for its
+    queries, built once per shape (three forwards, two layers, four chunks: four builds)."""
+    found = run_on_ranks(_without_a_mask, 2)[0]
+    assert found["error"] == 0.0
+    assert found["created"] == []
+    s, p = MODELS["rmsnorm-swiglu-rope-gqa"].seq_length, 4
+    q, stock = s // p, causal_attention_mask(s, "cpu")
+    masks = found["masks"]
+    assert [(sq, sk) for sq, sk, _ in masks] == [(q, (c + 1) * q) for c in range(p)] * 2 * LAYERS
+    for index, (_, sk, mask) in enumerate(masks):
+        c = index % p
+        assert torch.equal(mask, stock[..., c * q : (c + 1) * q, :sk]), c
+    assert found["built"] == p
 
 
 SP_SETTINGS = domino_configs("sp-s2", "sp-s4")

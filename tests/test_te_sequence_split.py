@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from allocations import BoolTensors
 from multiproc import run_on_ranks
 from te_stand_in import (
     AttentionCall,
@@ -86,12 +87,29 @@ def _compare() -> dict:
             )
         reverted = forward_backward(model, batch, finalize_sequence_parallel=True)
         found["revert"].append(max_abs_error(reverted, reference))
+        if sequence_parallel:
+            found["no_mask"] = _without_a_mask(model, batch, reference, options)
     # A TE that takes the mask type only at construction (< 0.12) would run "causal" (top-left).
     attentions[0].te_forward_mask_type = False
     with pytest.raises(DominoUnsupportedError) as refused:
         apply_domino(model, DominoConfig(chunks=2, split_along="sequence"))
     found["refused"] = str(refused.value)
     return found
+
+
+def _without_a_mask(model, batch, reference, options) -> dict:
+    """The sequence split under SP with no attention mask (causal): the boolean ``[s, s]``
+    tensors created in forward and backward (a dense mask), and
+    the loss and gradients against stock's (TE's ``causal`` reads no mask)."""
+    s = options.seq_length
+    with apply_domino(model, DominoConfig(chunks=2, split_along="sequence")):
+        with BoolTensors(s) as created:
+            result = forward_backward(
+                model, {**batch, "attention_mask": None}, finalize_sequence_parallel=True
+            )
+    return dict(
+        created=created.found, mismatches=mismatches(result, reference, tolerance_for(options))
+    )
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +143,13 @@ def test_later_chunks_ask_te_for_a_bottom_right_causal_mask(compared):
             AttentionCall("causal_bottom_right", q, (c + 1) * q, False) for c in range(1, p)
         ]
         assert compared[key]["calls"] == [expected] * LAYERS, key
+
+
+def test_no_dense_mask_is_built_for_te_attention(compared):
+    """Without a mask (causal) TE's attention reads none, so the sequence split builds none:
+    no ``[s, s]`` boolean tensor (``s**2`` bytes, 1 GiB at s = 32k) is created in the block's
+    forward or backward, and loss and gradients stay stock's."""
+    assert compared["no_mask"] == dict(created=[], mismatches=[])
 
 
 def test_the_stand_in_aligns_causal_masks_as_te_does():
