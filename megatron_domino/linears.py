@@ -50,6 +50,7 @@ __all__ = [
     "RowGemm",
     "capture_row_input",
     "column_parallel_forward",
+    "output_dtype_option",
     "row_projection",
 ]
 
@@ -67,6 +68,17 @@ class RowGemm:
 
     partial: Callable
     bias_after_reduce: Callable[[torch.nn.Module], torch.Tensor | None]
+
+
+def output_dtype_option(module: torch.nn.Module) -> dict:
+    """``_forward_impl``'s ``output_dtype`` keyword for ``module``, where it has one.
+
+    Megatron-Core 0.20 (Megatron-LM ``main``) gave the local linears an ``output_dtype`` (a GEMM
+    output dtype other than the input's) that their ``forward`` passes to ``_forward_impl``;
+    0.19's have neither. Passing the module's own value keeps Domino's GEMM output the stock
+    one's on both.
+    """
+    return {"output_dtype": module.output_dtype} if hasattr(module, "output_dtype") else {}
 
 
 def _local_row_partial(
@@ -88,6 +100,7 @@ def _local_row_partial(
         sequence_parallel=False,
         tp_group=None,
         grad_output_buffer=None,
+        **output_dtype_option(module),
     )
     return partial, module.bias if module.skip_bias_add else None
 
@@ -264,11 +277,19 @@ def column_parallel_forward(
                 sequence_parallel=False,
                 tp_group=None,
                 grad_output_buffer=None,
+                **output_dtype_option(module),
             )
         time_backward(
             output, runtime.recorder, f"{step.sublayer}_column_gemm", step.layer, chunk.index
         )
     else:
+        if getattr(module, "output_dtype", None) is not None:
+            raise RuntimeError(
+                f"Domino: this column-parallel linear asks for output_dtype "
+                f"{module.output_dtype}, which the backward-overlap GEMM does not produce; "
+                "build it without output_dtype, or use --sequence-parallel or "
+                "--no-domino-backward-overlap (both run Megatron's own GEMM path)."
+            )
         slot, chunk.dgrad_slot = chunk.dgrad_slot, None
         accumulate = module.gradient_accumulation_fusion and hasattr(module.weight, "main_grad")
         output = column_linear_async_dgrad(input_, module.weight, bias, slot, accumulate)

@@ -117,6 +117,12 @@ REFUSED_FEATURES = (
         "quantization context in every linear call, i.e. once per chunk; drop them",
     ),
     (
+        "enable_mhc_connections",
+        bool,
+        "mHC residual streams (enable_mhc_connections, Megatron-Core 0.20) replace the layer's "
+        "residual adds with hyper-connections that Domino's schedule does not run; drop them",
+    ),
+    (
         "mlp_chunks_for_training",
         lambda v: (v or 1) > 1,
         "mlp_chunks_for_training splits the MLP inside the stock layer forward, which the "
