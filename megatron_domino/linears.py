@@ -36,6 +36,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 
 from megatron_domino.backward_overlap import column_linear_async_dgrad
 from megatron_domino.collectives import ForwardAllReduce, SequenceCollective
+from megatron_domino.column_pieces import column_piece_into_main_grad
 from megatron_domino.recorder import CollectiveLabel, time_backward
 from megatron_domino.saved_shards import keeping_input_shards
 from megatron_domino.sequence_parallel import launch_scatter, wait_scatter
@@ -87,9 +88,14 @@ def _local_row_partial(
     """Piece ``piece`` of ``pieces`` of this rank's partial sum ``[s, b/p, h/pieces]``.
 
     Megatron-Core's own GEMM path (frozen weights, main_grad accumulation), called by keyword:
-    the positional order changed between releases. A weight slice has no main_grad, so pieces
-    accumulate through autograd instead.
+    the positional order changed between releases. A column piece (``pieces > 1``) of a
+    trained weight under gradient-accumulation fusion accumulates into its rows of main_grad
+    (:mod:`megatron_domino.column_pieces`); without fusion a weight slice's gradient flows
+    through autograd.
     """
+    if pieces > 1 and module.gradient_accumulation_fusion and module.weight.requires_grad:
+        partial = column_piece_into_main_grad(input_, module.weight, piece, pieces)
+        return partial, module.bias if module.skip_bias_add else None
     weight = module.weight.chunk(pieces, dim=0)[piece] if pieces > 1 else module.weight
     partial = module._forward_impl(
         input=input_,

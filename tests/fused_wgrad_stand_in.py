@@ -48,6 +48,8 @@ class Call:
     main_grad_ptr: int
     """``main_grad.data_ptr()``: which weight's gradient buffer it accumulated into."""
     tokens: int
+    out_features: int
+    """``d_output``'s columns: the weight's rows that ``d_weight`` holds (all, or a piece's)."""
 
 
 #: Every call made while installed, in order.
@@ -77,6 +79,7 @@ def _check_and_record(kernel: str, input, d_output, d_weight) -> None:
             d_weight.dtype,
             d_weight.data_ptr(),
             input.shape[0],
+            d_output.shape[1],
         )
     )
 

@@ -26,6 +26,7 @@ of ``test_domino_training.py``: every reordered bf16 sum rounds, 2**-8 = 4e-3 re
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -170,30 +171,60 @@ def _micro_batch(ddp, options: GPTOptions) -> StepResult:
     return StepResult(loss.detach(), _named_main_grads(ddp))
 
 
+#: Domino's settings in :func:`_column_wgrad_calls`: the default, and column pieces (k = 2).
+WGRAD_ARMS = {
+    "domino": DominoConfig(chunks=CHUNKS),
+    "domino-k2": DominoConfig(chunks=CHUNKS, column_chunks=2),
+}
+ROW_WEIGHTS = ("linear_proj.weight", "linear_fc2.weight")
+
+
 def _column_wgrad_calls(options: GPTOptions) -> dict:
-    """Local spec, no SP: stock and Domino main_grads and the fused calls per column weight."""
+    """Local spec, no SP: stock and Domino main_grads and the fused calls per column and row
+    weight (each as ``(kernel, dtypes, tokens, out_features, first main_grad row)``), and the
+    gradients that reached each row weight (whether each was the shared placeholder)."""
     with installed() as calls:
         model = build_gpt_model(options)
         ddp = _wrap_ddp(model, distributed_optimizer=False)
         reference = _fp32_reference(options, model, None)
-        owners = {p.main_grad.data_ptr(): name for name, p in model.named_parameters()}
-        columns = [
-            n for n in owners.values() if n.endswith(("linear_qkv.weight", "linear_fc1.weight"))
-        ]
+        params = dict(model.named_parameters())
+        weights = [n for n in params if n.endswith(("linear_qkv.weight", "linear_fc1.weight"))]
+        weights += [n for n in params if n.endswith(ROW_WEIGHTS)]
+        reached = {name: [] for name in weights if name.endswith(ROW_WEIGHTS)}
+        for name, seen in reached.items():
+            params[name].register_hook(lambda grad, seen=seen: seen.append(grad.data_ptr()))
+
+        def row_of(call, name):
+            """The first row of ``name``'s main_grad the call accumulated into, or None."""
+            main_grad = params[name].main_grad
+            offset = call.main_grad_ptr - main_grad.data_ptr()
+            row_bytes = main_grad.stride(0) * main_grad.element_size()
+            inside = 0 <= offset < main_grad.numel() * main_grad.element_size()
+            return offset // row_bytes if inside else None
+
         found = {}
-        for arm in ("stock", "domino"):
+        for arm in ("stock", *WGRAD_ARMS):
             calls.clear()
-            if arm == "domino":
-                with apply_domino(ddp, DominoConfig(chunks=CHUNKS)):
+            for seen in reached.values():
+                seen.clear()
+            if arm in WGRAD_ARMS:
+                with apply_domino(ddp, WGRAD_ARMS[arm]):
                     result = _micro_batch(ddp, options)
             else:
                 result = _micro_batch(ddp, options)
             found[arm] = dict(
                 errors=relative_errors(result, reference),
                 calls={
-                    name: [(c.kernel, c.input_dtype, c.grad_dtype, c.main_grad_dtype, c.tokens)
-                           for c in calls if owners.get(c.main_grad_ptr) == name]
-                    for name in columns
+                    name: [(c.kernel, c.input_dtype, c.grad_dtype, c.main_grad_dtype, c.tokens,
+                            c.out_features, row_of(c, name))
+                           for c in calls if row_of(c, name) is not None]
+                    for name in weights
+                },
+                placeholders={
+                    name: [ptr == placeholder_gradient(
+                        params[name].main_grad.shape, torch.bfloat16, torch.device("cpu"),
+                        zero=False).data_ptr() for ptr in seen]
+                    for name, seen in reached.items()
                 },
             )  # fmt: skip
     return found
@@ -204,20 +235,52 @@ def test_domino_column_linears_use_megatrons_fused_wgrad():
     gradient-accumulation fusion that is Megatron's fused GEMM with bf16 operands into the
     fp32 main_grad, once per chunk (stock: once per micro-batch), with gradients as close
     to fp32 as stock's."""
-    options = dataclasses.replace(OPTIONS, sequence_parallel=False)
-    found = run_on_ranks(_column_wgrad_calls, 2, args=(options,), timeout_s=300)[0]
-    tokens = options.seq_length * MICRO_BATCH
+    found = _wgrad_calls()
+    tokens = OPTIONS.seq_length * MICRO_BATCH
     bf16, fp32 = torch.bfloat16, torch.float32
     for name, calls in found["stock"]["calls"].items():
-        assert calls == [("fp32", bf16, bf16, fp32, tokens)], (name, calls)
-    for name, calls in found["domino"]["calls"].items():
-        assert calls == [("fp32", bf16, bf16, fp32, tokens // CHUNKS)] * CHUNKS, (name, calls)
-    assert len(found["domino"]["calls"]) == 2 * OPTIONS.num_layers
-    for arm in ("stock", "domino"):
+        out = calls[0][-2]
+        assert calls == [("fp32", bf16, bf16, fp32, tokens, out, 0)], (name, calls)
+    columns = {n: c for n, c in found["domino"]["calls"].items() if not n.endswith(ROW_WEIGHTS)}
+    for name, calls in columns.items():
+        out = calls[0][-2]
+        assert calls == [("fp32", bf16, bf16, fp32, tokens // CHUNKS, out, 0)] * CHUNKS, name
+    assert len(columns) == 2 * OPTIONS.num_layers
+    for arm in ("stock", *WGRAD_ARMS):
         name, error = worst_gradient_error(found[arm]["errors"])
         print(f"{arm} vs fp32: worst gradient {error:.2e} ({name})")
-    wrong = bound_violations(found["domino"]["errors"], found["stock"]["errors"], BF16_BOUND)
-    assert not wrong, wrong[:3]
+    for arm in WGRAD_ARMS:
+        wrong = bound_violations(found[arm]["errors"], found["stock"]["errors"], BF16_BOUND)
+        assert not wrong, (arm, wrong[:3])
+
+
+@functools.cache
+def _wgrad_calls() -> dict:
+    """One launch for the tests of :func:`_column_wgrad_calls`."""
+    options = dataclasses.replace(OPTIONS, sequence_parallel=False)
+    return run_on_ranks(_column_wgrad_calls, 2, args=(options,), timeout_s=300)[0]
+
+
+def test_column_pieces_accumulate_into_main_grad_rows():
+    """``--domino-column-chunks 2`` with gradient-accumulation fusion: each piece of a row
+    linear's GEMM accumulates ``[tokens/p, h/2]`` output gradients into its half of
+    ``main_grad`` through Megatron's fused GEMM (bf16 operands, fp32 accumulation), once per
+    chunk and piece; the weight gets one gradient per backward, the shared placeholder (no
+    zero-padded full-size ``dW`` per piece); main_grad within the bf16 bound of stock's
+    (checked above)."""
+    found = _wgrad_calls()
+    tokens, h = OPTIONS.seq_length * MICRO_BATCH, OPTIONS.hidden_size
+    bf16, fp32 = torch.bfloat16, torch.float32
+    rows = {n: c for n, c in found["domino-k2"]["calls"].items() if n.endswith(ROW_WEIGHTS)}
+    assert len(rows) == 2 * OPTIONS.num_layers
+    for name, calls in rows.items():
+        assert sorted(calls, key=lambda c: c[-1]) == [
+            ("fp32", bf16, bf16, fp32, tokens // CHUNKS, h // 2, row)
+            for row in (0, h // 2)
+            for _ in range(CHUNKS)
+        ], (name, calls)
+        assert found["stock"]["calls"][name] == [("fp32", bf16, bf16, fp32, tokens, h, 0)]
+    assert found["domino-k2"]["placeholders"] == {name: [True] for name in rows}
 
 
 # --- the production defaults: TE stand-ins, SP, fusions, distributed optimizer --------------
