@@ -102,9 +102,4 @@ def test_auto_is_not_one_config_and_owns_the_split_and_the_column_chunks():
             DominoConfig.auto_fields(args)
 
 
-def test_megatron_lm_script_patch_refuses_auto():
-    from megatron_domino.megatron_lm import attach
-
-    args = _parse("--domino", "--domino-chunks", "auto")
-    with pytest.raises(DominoConfigError, match="pretrain_gpt_domino.py does and Megatron-LM's"):
-        attach(model_config=None, args=args)
+# The patch's refusal of auto: tests/test_patch_api.py (through the functions it calls).

@@ -20,7 +20,8 @@ The order is Megatron-LM's, with Domino's pieces where Megatron-LM leaves room f
    checkpoint that does not fit fails with one line (:func:`.inputs.clear_load_errors`).
 
 Without ``--domino`` the run imports, of Domino, only its flags and errors
-(:mod:`megatron_domino.config`, no torch) and the version check: nothing that patches,
+(:mod:`megatron_domino.config` and :mod:`megatron_domino.parser_help`, no torch) and the
+version check: nothing that patches,
 schedules or refuses (``megatron_domino.megatron_lm`` and everything below it are imported
 only with ``--domino``).
 """
