@@ -21,6 +21,7 @@ It is longer than the other modules because it is the complete list, kept togeth
 from __future__ import annotations
 
 import torch
+from megatron.core.enums import Fp8Recipe
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
@@ -294,14 +295,16 @@ def _sequence_split_config_problems(model_config) -> list[str]:
 
 
 def te_problems(
-    config: DominoConfig, *, sequence_parallel: bool, fp8_recipe: str | None
+    config: DominoConfig, *, sequence_parallel: bool, fp8_recipe: Fp8Recipe | str | None
 ) -> list[str]:
     """Why Domino cannot run these settings on TE layers (empty when it can).
 
     Args:
         config: the Domino settings.
         sequence_parallel: ``--sequence-parallel``.
-        fp8_recipe: ``--fp8-recipe`` when FP8 is on (``--fp8-format`` given), else ``None``.
+        fp8_recipe: ``--fp8-recipe`` when FP8 is on (``--fp8-format`` given), else ``None``:
+            its name, or Megatron-Core's ``Fp8Recipe`` member (a ``str`` enum, whose ``str()``
+            on Python 3.12 is ``Fp8Recipe.delayed``, not the name).
     """
     problems = []
     if config.column_chunks > 1:
@@ -318,9 +321,10 @@ def te_problems(
             "overlap cannot apply: add --no-domino-backward-overlap, or --sequence-parallel "
             "(under which Domino overlaps the backward collectives too)"
         )
-    if fp8_recipe is not None and str(fp8_recipe) != "delayed":
+    recipe = getattr(fp8_recipe, "value", fp8_recipe)
+    if recipe is not None and recipe != Fp8Recipe.delayed.value:
         problems.append(
-            f"--fp8-recipe {fp8_recipe} computes scales from each call's own data, so every "
+            f"--fp8-recipe {recipe} computes scales from each call's own data, so every "
             "chunk would be quantized with a different scale than the whole micro-batch "
             "(not validated against stock Megatron); use --fp8-recipe delayed, whose scales "
             "come from the amax history and are updated once per micro-batch as in stock"

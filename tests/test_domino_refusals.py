@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from megatron.core import package_info
+from megatron.core.enums import Fp8Recipe
 from multiproc import run_on_ranks
 from packaging.version import Version
 from tiny_models import TINY
@@ -17,6 +18,7 @@ from tiny_models import TINY
 from megatron_domino.apply import apply_domino
 from megatron_domino.config import DominoConfig, DominoConfigError, DominoUnsupportedError
 from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
+from megatron_domino.refusals import te_problems
 from megatron_domino.version import UnsupportedMegatronVersion, check_megatron_core_version
 
 OPTIONS = GPTOptions(num_layers=2, **TINY, num_attention_heads=4)
@@ -130,3 +132,18 @@ def test_untested_megatron_version_is_refused():
             check_megatron_core_version(Version(untested))
     assert check_megatron_core_version(Version("0.19.2")) == Version("0.19.2")
     assert check_megatron_core_version() == Version(package_info.__version__)
+
+
+@pytest.mark.parametrize("delayed", [Fp8Recipe.delayed, "delayed"], ids=["enum", "name"])
+def test_fp8_delayed_scaling_is_accepted_as_megatrons_enum_or_its_name(delayed):
+    """Megatron-Core's ``Fp8Recipe`` is a ``str`` enum; on Python 3.12 its ``str()`` is
+    ``Fp8Recipe.delayed``, so the recipe is judged by its value, not by ``str()``."""
+    assert te_problems(DominoConfig(chunks=2), sequence_parallel=True, fp8_recipe=delayed) == []
+
+
+@pytest.mark.parametrize("recipe", [Fp8Recipe.tensorwise, "mxfp8"], ids=["enum", "name"])
+def test_other_fp8_recipes_are_refused_by_name(recipe):
+    problems = te_problems(DominoConfig(chunks=2), sequence_parallel=True, fp8_recipe=recipe)
+    name = getattr(recipe, "value", recipe)
+    assert len(problems) == 1 and problems[0].startswith(f"--fp8-recipe {name} computes scales")
+    assert "use --fp8-recipe delayed" in problems[0]
