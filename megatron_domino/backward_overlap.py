@@ -45,10 +45,14 @@ class _ColumnLinearAsyncDgrad(torch.autograd.Function):
     ``W.main_grad`` by Megatron-Core's fused weight-gradient GEMM
     (:func:`accumulate_weight_gradient`) and a reused placeholder gradient is returned
     (:func:`placeholder_gradient`), as Megatron-Core's own linear does, so its DDP hooks know
-    the gradient is already accumulated.
+    the gradient is already accumulated. Autocast-decorated with Megatron-Core's own
+    ``custom_fwd``/``custom_bwd`` (``torch.amp``'s, ``device_type="cuda"``), as its linear is:
+    the backward runs in the autocast state the forward ran in, wherever ``backward()`` is
+    called from.
     """
 
     @staticmethod
+    @megatron_layers.custom_fwd
     def forward(
         ctx, linear_input, weight, bias, slot: DgradAllReduce, accumulate_in_main_grad: bool
     ):
@@ -60,6 +64,7 @@ class _ColumnLinearAsyncDgrad(torch.autograd.Function):
         return output + bias if bias is not None else output
 
     @staticmethod
+    @megatron_layers.custom_bwd
     def backward(ctx, grad_output):
         linear_input, weight = ctx.saved_tensors
         label = ctx.slot.label
