@@ -5,7 +5,9 @@ Megatron-LM's own flags); this module is what they share, and imports neither to
 Megatron:
 
 * :data:`CPU_FLAGS`: the replacements of Megatron-LM's GPU defaults a CPU run needs, each with
-  the reason (the script does not add them silently);
+  the reason (the script does not add them silently); the one list of them: the tests, the
+  patch's ``cpu_smoke.py`` and ``docs/cpu.md`` (:func:`cpu_flags_markdown`) take it from here,
+  and the recipes' ``CPU_ARGS`` are checked against it;
 * :func:`torchrun_command` and :func:`environment`: the launch, as ``python -m
   megatron_domino.training`` (what ``pretrain_gpt_domino.py`` runs), so no file is looked up;
 * :func:`append_record` and :func:`read_records`: the ``--log-json`` format, one JSON object
@@ -26,7 +28,10 @@ __all__ = [
     "MODULE",
     "QUIET_WARNINGS",
     "append_record",
+    "CPU_FLAGS_BEGIN",
+    "CPU_FLAGS_END",
     "cpu_flags",
+    "cpu_flags_markdown",
     "environment",
     "read_records",
     "torchrun_command",
@@ -62,6 +67,33 @@ QUIET_WARNINGS = (
 def cpu_flags() -> list[str]:
     """:data:`CPU_FLAGS` as command-line words."""
     return " ".join(CPU_FLAGS).split()
+
+
+#: The lines of ``docs/cpu.md`` between which :func:`cpu_flags_markdown` stands.
+CPU_FLAGS_BEGIN, CPU_FLAGS_END = "<!-- cpu-flags: begin -->", "<!-- cpu-flags: end -->"
+
+
+def cpu_flags_markdown() -> str:
+    """:data:`CPU_FLAGS` as ``docs/cpu.md`` shows them: the command-line words, then a table
+    of each flag's reason, between :data:`CPU_FLAGS_BEGIN` and :data:`CPU_FLAGS_END`.
+
+    ``tests/test_cpu_docs.py`` checks the page against it; after changing :data:`CPU_FLAGS`,
+    print it (``python -c "from megatron_domino.training.runs import cpu_flags_markdown;
+    print(cpu_flags_markdown())"``) and paste it over the page's block."""
+    rows = [f"| `{flag}` | {reason} |" for flag, reason in CPU_FLAGS.items()]
+    return "\n".join(
+        [
+            CPU_FLAGS_BEGIN,
+            "```",
+            " ".join(cpu_flags()),
+            "```",
+            "",
+            "| flag | why (the GPU default it replaces) |",
+            "| --- | --- |",
+            *rows,
+            CPU_FLAGS_END,
+        ]
+    )
 
 
 def torchrun_command(nproc: int, flags: Sequence[str]) -> list[str]:
