@@ -37,6 +37,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron_domino.backward_overlap import column_linear_async_dgrad
 from megatron_domino.collectives import ForwardAllReduce, SequenceCollective
 from megatron_domino.column_pieces import column_piece_into_main_grad
+from megatron_domino.placeholder_grads import drop_placeholder_gradient
 from megatron_domino.recorder import CollectiveLabel, time_backward
 from megatron_domino.saved_shards import keeping_input_shards
 from megatron_domino.sequence_parallel import launch_scatter, wait_scatter
@@ -236,6 +237,8 @@ def row_projection(
     for piece in range(k):
         with recorder.region(gemm, layer, chunk.index, "fwd", piece):
             partial, returned_bias = deferred.gemm.partial(module, deferred.input_, piece, k)
+        if chunk.index > 0 or piece > 0:
+            drop_placeholder_gradient(partial, module.weight)
         time_backward(partial, recorder, gemm, layer, chunk.index, piece)
         pending.launch(partial)
     return pending, returned_bias
@@ -273,7 +276,7 @@ def column_parallel_forward(
         )
     bias = None if module.skip_bias_add else module.bias
     if runtime.sequence_parallel:
-        with keeping_input_shards(chunk.input_regather, input_):
+        with keeping_input_shards(chunk.input_regather, input_, module):
             output = module._forward_impl(
                 input=input_,
                 weight=module.weight,
@@ -299,4 +302,6 @@ def column_parallel_forward(
         slot, chunk.dgrad_slot = chunk.dgrad_slot, None
         accumulate = module.gradient_accumulation_fusion and hasattr(module.weight, "main_grad")
         output = column_linear_async_dgrad(input_, module.weight, bias, slot, accumulate)
+    if chunk.index > 0:
+        drop_placeholder_gradient(output, module.weight)
     return output, module.bias if module.skip_bias_add else None

@@ -36,13 +36,22 @@ class SavedInputRegather(InFlight):
     sequence, only this rank's rows:
 
     * the gathered input, or a view of it: the shard it was gathered from (``shard``, no copy);
-    * another plain tensor of the gathered input's size whose leading dimension runs over its
-      tokens (``[s, b/p, h]`` or ``[s*b/p, h]``; contiguous): TE's norm output, or an
-      intermediate of a torch norm. Everything the call computes before its GEMM is a
-      per-token function of the gathered input, the same on every TP rank, so this rank's
-      rows (a copy) gathered again give it back. What is rank-specific (the weight, the GEMM
-      output) is a parameter or has another size, and is kept as it is, as are subclassed
-      tensors (FP8) and per-token statistics ``[s*b/p]``.
+    * another tensor that is provably a per-token function of the gathered input: TE's norm
+      output, or an intermediate of a torch norm. Everything the call computes from its input
+      before the GEMM is the same on every TP rank, so this rank's rows (a copy) gathered
+      again give it back. A tensor counts as one only if it is a plain ``torch.Tensor`` of the
+      gathered input's size *and* floating dtype, contiguous, with its leading dimension over
+      the tokens (``[s, b/p, h]`` or ``[s*b/p, h]``), and not shaped like any parameter of the
+      called module (nor its transpose).
+
+    Everything else is kept as it is: parameters, subclassed tensors (a cached FP8 weight),
+    per-token statistics ``[s*b/p]``, and whatever may be rank-specific. Transformer Engine
+    saves an uncached FP8 weight as plain ``uint8`` tensors ``_data [n/tp, h]`` and
+    ``_transpose [h, n/tp]``, different on every rank (TE ``tensor/storage/
+    float8_tensor_storage.py:145-151``), and a bf16 cast of an fp32 weight is plain and
+    rank-specific too: when ``n/tp == h ==`` tokens per chunk their size and leading dimension
+    match the gathered input's, so only the dtype and shape rules keep them whole (re-gathered,
+    they would come back stitched from other ranks' weights, and the input gradient with them).
 
     In backward, :meth:`launch` starts the all-gathers (one per kept tensor, recorded as one
     collective ``<sublayer>_regather``); the first access to a saved tensor waits for them (and
@@ -59,6 +68,7 @@ class SavedInputRegather(InFlight):
         super().__init__(group, label)
         self._shard = shard.detach()
         self._gathered: torch.Tensor | None = None
+        self._parameter_shapes: set[tuple[int, ...]] = set()
         self._outer = None
         #: per kept tensor: (this rank's rows or what the outer pack hook made of them,
         #: full shape); index 0 is the gathered input's own shard once a view of it was saved.
@@ -70,9 +80,15 @@ class SavedInputRegather(InFlight):
         self._unpacked: list[int] = []
 
     @contextlib.contextmanager
-    def keeping_shards(self, gathered: torch.Tensor) -> Iterator[None]:
-        """Around the column linear's call on ``gathered`` ``[s, b/p, h]``: keep shards only."""
+    def keeping_shards(self, gathered: torch.Tensor, module: torch.nn.Module) -> Iterator[None]:
+        """Around ``module``'s call (the column linear) on ``gathered`` ``[s, b/p, h]``: keep
+        shards only."""
         self._gathered = gathered
+        self._parameter_shapes = {
+            shape
+            for param in module.parameters()
+            for shape in (tuple(param.shape), tuple(reversed(param.shape)))
+        }
         # The (pack, unpack) pair active now, or None: torch's private query, also used by
         # torch._functorch; the public context manager can only push and pop.
         self._outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -80,7 +96,7 @@ class SavedInputRegather(InFlight):
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
-            self._gathered = None
+            self._gathered, self._parameter_shapes = None, set()
 
     def launch(self) -> None:
         """Start re-gathering every kept tensor (backward, ahead of the linear's backward)."""
@@ -125,13 +141,7 @@ class SavedInputRegather(InFlight):
             self._uses[self._view_index] += 1
             geometry = (tensor.size(), tensor.stride(), tensor.storage_offset())
             return ("view", self._view_index, geometry)
-        s, b = gathered.shape[0], gathered.shape[1]
-        if (
-            tensor.numel() == gathered.numel()
-            and tensor.is_contiguous()
-            and tensor.shape[0] in (s, s * b)
-            and tensor.shape[-1] == gathered.shape[-1]
-        ):
+        if self._per_token(tensor):
             size = self.group.size()
             rows = tensor.shape[0] // size
             mine = tensor.detach().narrow(0, self.group.rank() * rows, rows).clone()
@@ -139,6 +149,22 @@ class SavedInputRegather(InFlight):
             self._uses[index] += 1
             return ("rows", index, None)
         return self._pass(tensor)
+
+    def _per_token(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` (plain, not a view of the gathered input) is provably a per-token
+        function of the gathered input (class docstring): same size and floating dtype, tokens
+        first, contiguous, and not parameter-shaped."""
+        gathered = self._gathered
+        s, b = gathered.shape[0], gathered.shape[1]
+        return (
+            tensor.dtype == gathered.dtype
+            and tensor.is_floating_point()
+            and tensor.numel() == gathered.numel()
+            and tensor.is_contiguous()
+            and tensor.shape[0] in (s, s * b)
+            and tensor.shape[-1] == gathered.shape[-1]
+            and tuple(tensor.shape) not in self._parameter_shapes
+        )
 
     def _keep(self, rows: torch.Tensor, full_shape: torch.Size) -> int:
         self._kept.append((self._outer[0](rows) if self._outer else rows, full_shape))
@@ -164,10 +190,12 @@ class SavedInputRegather(InFlight):
         return full
 
 
-def keeping_input_shards(regather: SavedInputRegather | None, gathered: torch.Tensor):
-    """Around a column linear's call on ``gathered`` ``[s, b/p, h]``: keep only this rank's
-    shards for backward (:meth:`SavedInputRegather.keeping_shards`); a no-op without a
+def keeping_input_shards(
+    regather: SavedInputRegather | None, gathered: torch.Tensor, module: torch.nn.Module
+):
+    """Around column linear ``module``'s call on ``gathered`` ``[s, b/p, h]``: keep only this
+    rank's shards for backward (:meth:`SavedInputRegather.keeping_shards`); a no-op without a
     ``regather`` (autograd off)."""
     if regather is None:
         return contextlib.nullcontext()
-    return regather.keeping_shards(gathered)
+    return regather.keeping_shards(gathered, module)

@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_domino.linears import RowGemm
+from megatron_domino.placeholder_grads import drop_placeholder_gradient
 from megatron_domino.recorder import time_backward
 from megatron_domino.saved_shards import keeping_input_shards
 
@@ -82,28 +83,37 @@ def _domino_call_settings(module: torch.nn.Module, *, own_collectives: bool) -> 
     ``parallel_mode = None`` and ``sequence_parallel = False`` (TE saves the values it ran
     with for its backward).
 
-    In every case, with fused weight-gradient accumulation (``--gradient-accumulation-fusion``) it also makes
-    Megatron's wrapper pass ``is_first_microbatch=None``. TE derives two things from that flag:
-    whether to re-cast the weight to FP8 (``True``) or reuse the cached cast (``False``), and
-    whether the backward *overwrites* ``main_grad`` (``True``) or accumulates into it. The
-    first chunk's call would get ``True``, and autograd runs the chunks' backwards latest
-    chunk first, so the first chunk's overwrite would come last and erase the other chunks'
-    weight gradients. ``None`` accumulates on every call (DDP zeroes ``main_grad`` before each
-    step, as Megatron's own ``disable_parameter_transpose_cache`` path relies on) at the cost
-    of one FP8 weight cast per chunk instead of per micro-batch; without FP8 it costs nothing.
+    In every case the call is never flagged ``is_first_microbatch=True``, whose two meanings
+    in TE 2.x a chunked schedule must pull apart (TE ``module/linear.py:435-445``,
+    ``1166-1171``, ``1883``):
+
+    * *forward*: ``True`` re-casts the weight to FP8 into the module's cached copy, ``False``
+      reuses that copy, ``None`` casts a fresh, uncached copy on every call (and saves it);
+    * *backward*, with fused weight-gradient accumulation: ``True`` *overwrites* ``main_grad``,
+      anything else accumulates into it. Autograd runs the chunks' backwards latest chunk
+      first, so a first chunk flagged ``True`` would erase the other chunks' weight gradients.
+
+    So when Megatron's wrapper would pass ``True`` (its ``is_first_microbatch``, set by
+    ``set_is_first_microbatch`` at a global batch's first micro-batch), Domino drops the
+    module's cached FP8 weight (TE's ``_fp8_workspaces["weight"]``; TE itself clears that
+    cache when the recipe changes, ``module/base.py:1519``) and passes ``False``: the call misses
+    the cache, casts once and caches the copy, which every later chunk and micro-batch of the
+    global batch reuses, and every backward accumulates (DDP zeroes ``main_grad`` before each
+    step, as Megatron's own ``disable_parameter_transpose_cache`` path relies on). One cast per
+    weight per global batch, one cached copy, as stock. With
+    ``disable_parameter_transpose_cache`` (``None`` on every call, the user's choice) nothing
+    changes. With FP8 parameters (``--fp8-param-gather``) TE uses the parameter as it is.
     """
-    saved = module.parallel_mode, module.sequence_parallel, module.disable_parameter_transpose_cache
+    saved = module.parallel_mode, module.sequence_parallel
     if not own_collectives:
         module.parallel_mode, module.sequence_parallel = None, False
-    module.disable_parameter_transpose_cache = saved[2] or module.fuse_wgrad_accumulation
+    if module.is_first_microbatch and not module.disable_parameter_transpose_cache:
+        module._fp8_workspaces.pop("weight", None)
+        module.is_first_microbatch = False
     try:
         yield
     finally:
-        (
-            module.parallel_mode,
-            module.sequence_parallel,
-            module.disable_parameter_transpose_cache,
-        ) = saved
+        module.parallel_mode, module.sequence_parallel = saved
 
 
 def te_row_partial(module: torch.nn.Module, input_: torch.Tensor, piece: int, pieces: int):
@@ -155,8 +165,10 @@ def te_column_parallel_forward(
     own_collectives = not runtime.sequence_parallel
     with (
         _domino_call_settings(module, own_collectives=own_collectives),
-        keeping_input_shards(None if own_collectives else chunk.input_regather, input_),
+        keeping_input_shards(None if own_collectives else chunk.input_regather, input_, module),
     ):
         output, bias = type(module).forward(module, input_)
+    if chunk.index > 0:
+        drop_placeholder_gradient(output, module.weight)
     time_backward(output, runtime.recorder, f"{step.sublayer}_column_gemm", step.layer, chunk.index)
     return output, bias

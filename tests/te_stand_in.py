@@ -65,11 +65,24 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from te_fp8_stand_in import Fp8Linear, quantize_weight
 
 from megatron_domino.harness.norms import SequenceParallelTorchNorm
+from megatron_domino.linears import output_dtype_option
 
-#: How many fp8_autocast stand-ins are open (see ``tests/test_te_linears.py``).
+#: How many fp8_autocast stand-ins are open (see ``tests/test_te_linears.py``); while one is,
+#: the linears run TE 2.x's FP8 weight contract (:mod:`te_fp8_stand_in`).
 FP8_CONTEXT_DEPTH = [0]
+
+
+@contextlib.contextmanager
+def fp8_stand_in():
+    """TE's ``fp8_autocast`` for the stand-ins: FP8 weight casts, caches and saves inside."""
+    FP8_CONTEXT_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        FP8_CONTEXT_DEPTH[0] -= 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +106,26 @@ class _TEWrapperContract:
         self.disable_parameter_transpose_cache = config.disable_parameter_transpose_cache
         self.fuse_wgrad_accumulation = config.gradient_accumulation_fusion
         self.calls: list[Call] = []
+        #: TE's per-module FP8 weight cache (``module/base.py``) and how often it cast.
+        self._fp8_workspaces: dict = {}
+        self.fp8_casts = 0
 
-    def _start_call(self) -> None:
+    def _start_call(self) -> bool | None:
+        """Record the call; the ``is_first_microbatch`` TE gets (Megatron's wrapper's rule)."""
         first = None if self.disable_parameter_transpose_cache else self.is_first_microbatch
         self.calls.append(
             Call(self.parallel_mode, self.sequence_parallel, first, FP8_CONTEXT_DEPTH[0] > 0)
         )
         self.is_first_microbatch = False
+        return first
+
+    def _fp8_gemm(self, input_, bias, first: bool | None, **collectives):
+        """TE 2.x's FP8 GEMM of this call (:class:`te_fp8_stand_in.Fp8Linear`)."""
+        options = dict(
+            fuse_wgrad=self.fuse_wgrad_accumulation, is_first_microbatch=first, **collectives
+        )
+        fp8_weight = quantize_weight(self, first)
+        return Fp8Linear.apply(input_, self.weight, bias, fp8_weight, options)
 
     def _outputs(self, output: torch.Tensor):
         return (output, self.bias) if self.te_return_bias else (output, None)
@@ -116,18 +142,22 @@ class StandInTERowParallelLinear(_TEWrapperContract, RowParallelLinear):
 
     def forward(self, input_: torch.Tensor):
         """``[s, b, n/tp]`` -> ``([s or s/tp, b, h], bias-or-None)``."""
-        self._start_call()
-        output = self._forward_impl(
-            input=input_,
-            weight=self.weight,
-            bias=None,
-            gradient_accumulation_fusion=(
-                self.fuse_wgrad_accumulation and hasattr(self.weight, "main_grad")
-            ),
-            allreduce_dgrad=False,
-            sequence_parallel=False,
-            tp_group=self.tp_group,
-        )
+        first = self._start_call()
+        if FP8_CONTEXT_DEPTH[0] > 0:
+            output = self._fp8_gemm(input_, None, first)
+        else:
+            output = self._forward_impl(
+                input=input_,
+                weight=self.weight,
+                bias=None,
+                gradient_accumulation_fusion=(
+                    self.fuse_wgrad_accumulation and hasattr(self.weight, "main_grad")
+                ),
+                allreduce_dgrad=False,
+                sequence_parallel=False,
+                tp_group=self.tp_group,
+                **output_dtype_option(self),
+            )
         if self.parallel_mode == "row" and self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output, group=self.tp_group)
         elif self.parallel_mode == "row":
@@ -149,19 +179,30 @@ class StandInTELayerNormColumnParallelLinear(_TEWrapperContract, ColumnParallelL
 
     def forward(self, input_: torch.Tensor):
         """``[s or s/tp, b, h]`` -> ``([s, b, n/tp], bias-or-None)``."""
-        self._start_call()
+        first = self._start_call()
         normed = self.norm(input_)
         column = self.parallel_mode == "column"
+        bias = None if self.te_return_bias or not self.use_bias else self.bias
+        if FP8_CONTEXT_DEPTH[0] > 0:
+            output = self._fp8_gemm(
+                normed,
+                bias,
+                first,
+                gather=self.tp_group if column and self.sequence_parallel else None,
+                allreduce_group=self.tp_group if column and not self.sequence_parallel else None,
+            )
+            return self._outputs(output)
         output = self._forward_impl(
             input=normed,
             weight=self.weight,
-            bias=None if self.te_return_bias or not self.use_bias else self.bias,
+            bias=bias,
             gradient_accumulation_fusion=(
                 self.fuse_wgrad_accumulation and hasattr(self.weight, "main_grad")
             ),
             allreduce_dgrad=column and not self.sequence_parallel,
             sequence_parallel=column and self.sequence_parallel,
             tp_group=self.tp_group,
+            **output_dtype_option(self),
         )
         return self._outputs(output)
 
