@@ -50,7 +50,11 @@ from megatron_domino.config import (
 )
 from megatron_domino.harness.patch import Patch
 from megatron_domino.refusals import config_problems, fsdp_problems, raise_problems
-from megatron_domino.version import UnsupportedMegatronVersion, check_megatron_core_version
+from megatron_domino.version import (
+    UnsupportedMegatronVersion,
+    check_megatron_core_version,
+    check_transformer_engine_version,
+)
 
 __all__ = [
     "DominoModelHook",
@@ -75,12 +79,16 @@ def check_args(args: argparse.Namespace) -> DominoConfig | AutoTuner | None:
         UnsupportedMegatronVersion: the imported Megatron-Core is not a tested release.
         DominoConfigError: a ``--domino*`` value is invalid or the shapes cannot be split.
         DominoUnsupportedError: the flags ask for something Domino cannot run with; the
-            message lists every reason with its fix.
+            message lists every reason with its fix. First, with ``--transformer-impl
+            transformer_engine``, an installed Transformer Engine older than
+            :data:`~megatron_domino.version.TE_MIN_VERSION`.
         NoCandidateError: ``auto``, and no setting can run (each reason listed).
     """
     if not args.domino:
         return None
     check_megatron_core_version()
+    if args.transformer_impl == "transformer_engine":
+        check_transformer_engine_version()
     shapes = dict(
         micro_batch_size=args.micro_batch_size,
         hidden_size=args.hidden_size,

@@ -33,9 +33,16 @@ PINNED_MEGATRON_CORE = "0.19.2"
 LAST_COMMIT_FOR_MEGATRON_CORE_0_16 = "53915d8"
 
 
-#: Oldest Transformer Engine whose linears read ``parallel_mode`` and ``sequence_parallel`` at
-#: call time (read from TE's source, 1.13 and 2.x; no TE version has been run with Domino yet).
-TE_MIN_VERSION = Version("1.13.0")
+#: The Transformer Engine release whose contract Domino models, and the oldest it accepts:
+#: what TE saves for backward (FP8 weights as plain uint8 data/transpose), how
+#: ``is_first_microbatch`` caches FP8 weights, ``get_dummy_wgrad``'s shared placeholder, the
+#: SP gather of the norm output and the per-call ``parallel_mode``/``sequence_parallel`` and
+#: mask types, all read from TE v2.18's source (unchanged at 2.20's development head;
+#: ``docs/te-contract.md`` in the project brief). Older TE saves and caches differently (1.x
+#: saves FP8 weights as ``Float8Tensor``), which the saved-shard pack hook and the FP8
+#: weight-cache handling were not written against. No TE has run Domino's CPU suite (TE needs
+#: CUDA); the GPU check (``megatron-domino-gpu-check``) runs it on real TE.
+TE_MIN_VERSION = Version("2.18.0")
 
 
 class UnsupportedMegatronVersion(RuntimeError):
@@ -93,8 +100,12 @@ def check_transformer_engine_version() -> None:
     Without TE nothing is checked: Megatron's TE layers cannot be built then. (Megatron-Core
     0.19's ``get_te_version`` reports ``0.0.0`` when TE does not import, hence ``HAVE_TE``.)
 
+    Called at flag time (:func:`megatron_domino.megatron_lm.check_args`, with
+    ``--transformer-impl transformer_engine``) and again when Domino is applied to a model with
+    TE layers.
+
     Raises:
-        DominoUnsupportedError: an older TE.
+        DominoUnsupportedError: an older TE, with the version found and the fix.
     """
     from megatron.core.extensions.transformer_engine import HAVE_TE
     from megatron.core.utils import get_te_version
@@ -106,7 +117,8 @@ def check_transformer_engine_version() -> None:
     found = get_te_version()
     if found < TE_MIN_VERSION:
         raise DominoUnsupportedError(
-            f"Domino needs Transformer Engine >= {TE_MIN_VERSION} (its linears must read "
-            f"parallel_mode per call); found {found}. Upgrade transformer-engine, or use "
-            "--transformer-impl local."
+            f"Domino needs Transformer Engine >= {TE_MIN_VERSION}, the release whose saved "
+            f"tensors, FP8 weight cache and placeholder gradients it models; found {found}. "
+            f"Install it (`pip install 'transformer-engine[pytorch]>={TE_MIN_VERSION}'`, or "
+            "megatron-domino's gpu extra), or use --transformer-impl local."
         )

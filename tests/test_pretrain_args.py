@@ -12,7 +12,10 @@ import sys
 
 import pytest
 from launch import TINY_GPT, run_pretrain
+from megatron.core import utils as megatron_utils
+from megatron.core.extensions import transformer_engine as megatron_te
 from megatron.training import arguments as megatron_arguments
+from packaging.version import Version
 
 from megatron_domino.autotune import AutoTuner, NoCandidateError
 from megatron_domino.config import DominoConfigError, DominoUnsupportedError
@@ -276,3 +279,24 @@ def test_a_virtual_stage_without_layers_is_refused_at_argument_time(monkeypatch,
     message = str(error.value)
     assert f"no transformer layer on pipeline {empty}" in message
     assert "give every virtual stage at least one layer" in message
+
+
+def _installed_te(monkeypatch, version: str) -> None:
+    """Megatron-Core's view of an installed Transformer Engine of ``version``."""
+    monkeypatch.setattr(megatron_te, "HAVE_TE", True)
+    monkeypatch.setattr(megatron_utils, "get_te_version", lambda: Version(version))
+
+
+def test_an_older_transformer_engine_is_refused_at_argument_time(monkeypatch):
+    """TE layers with a TE older than the release whose contract Domino models: refused when
+    the flags are checked, naming the version found and the fix; local layers do not ask."""
+    _installed_te(monkeypatch, "2.17.0")
+    with pytest.raises(DominoUnsupportedError) as error:
+        checked(monkeypatch, *TE_DOMINO, "--sequence-parallel")
+    message = str(error.value)
+    assert "Domino needs Transformer Engine >= 2.18.0" in message and "found 2.17.0" in message
+    assert "pip install 'transformer-engine[pytorch]>=2.18.0'" in message
+    assert "--transformer-impl local" in message
+    checked(monkeypatch, *TP2_DOMINO)
+    _installed_te(monkeypatch, "2.18.0")
+    checked(monkeypatch, *TE_DOMINO, "--sequence-parallel")

@@ -2,6 +2,7 @@
 package declares the tested ranges, and ``make`` pins the tested release."""
 
 import itertools
+import re
 import subprocess
 import sys
 import textwrap
@@ -9,15 +10,19 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from megatron.core import utils as megatron_utils
+from megatron.core.extensions import transformer_engine as megatron_te
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+from megatron_domino.config import DominoUnsupportedError
 from megatron_domino.version import (
     PINNED_MEGATRON_CORE,
     TE_MIN_VERSION,
     TESTED_MEGATRON_CORE,
     UnsupportedMegatronVersion,
     check_megatron_core_version,
+    check_transformer_engine_version,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,3 +104,22 @@ def test_the_package_declares_the_tested_ranges_and_make_pins_the_release():
     pins = [line for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line]
     assert pins == [f"megatron-core=={PINNED_MEGATRON_CORE}"]
     assert "-c constraints.txt" in (ROOT / "Makefile").read_text()
+
+
+@pytest.mark.parametrize(
+    ("found", "accepted"),
+    [("1.13.0", False), ("2.17.1", False), ("2.18.0", True), ("2.18.0+8f3c2a1", True),
+     ("2.20.0.dev0", True)],
+)  # fmt: skip
+def test_transformer_engine_older_than_the_modelled_release_is_refused(
+    monkeypatch, found, accepted
+):
+    """The TE floor is the release whose saved tensors and caches Domino models (v2.18)."""
+    monkeypatch.setattr(megatron_te, "HAVE_TE", True)
+    monkeypatch.setattr(megatron_utils, "get_te_version", lambda: Version(found))
+    assert Version("2.18.0") == TE_MIN_VERSION
+    if accepted:
+        check_transformer_engine_version()
+        return
+    with pytest.raises(DominoUnsupportedError, match=f"found {re.escape(found)}"):
+        check_transformer_engine_version()
