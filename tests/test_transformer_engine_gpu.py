@@ -61,6 +61,23 @@ CASES = {
         "--domino-chunks 4",
         2e-2,
     ),
+    # The shape where an FP8 weight's saved bits look like the gathered input: fc1's
+    # [2 ffn / tp, h] = [256, 256] and 128 x 4 / 2 = 256 tokens per chunk (issue 16, fix 1; the
+    # uncached path, disable_parameter_transpose_cache, has no flag and is checked on the CPU
+    # in tests/test_te_contract.py).
+    "fp8-hybrid-sp-coincident": (
+        ["--sequence-parallel", "--fp8-format", "hybrid", "--fp8-amax-history-len", "16"]
+        + ["--ffn-hidden-size", "256"],
+        "--domino-chunks 2",
+        2e-2,
+    ),
+    # FP8 primary weights: TE uses the parameter as it is (no cast, no copy per chunk).
+    "fp8-hybrid-sp-param-gather": (
+        ["--sequence-parallel", "--fp8-format", "hybrid", "--fp8-amax-history-len", "16"]
+        + ["--fp8-param-gather", "--use-distributed-optimizer"],
+        "--domino-chunks 2",
+        2e-2,
+    ),
 }
 
 
