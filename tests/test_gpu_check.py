@@ -21,7 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_domino.tools.gpu_check import cli, gemm, parts, probe
+from megatron_domino.tools.gpu_check import (
+    check_host_time,
+    check_inflight,
+    cli,
+    gemm,
+    parts,
+    probe,
+)
 from megatron_domino.tools.gpu_check.results import EXIT_STATUS, PartResult, verdict
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +60,7 @@ def cpu_run(tmp_path_factory):
     # job first verifies with the probe's checks on two ranks; without it (the default on the
     # CPU, where gloo runs everything) the code path differs only by that shim.
     done = _run_wrapper(
-        out_dir, "--device", "cpu", "--quick", "--host-staging", "always", timeout=240
+        out_dir, "--device", "cpu", "--quick", "--host-staging", "always", timeout=480
     )
     return out_dir, done
 
@@ -68,7 +75,14 @@ def test_cpu_quick_run_passes_and_prints_the_summary_last(cpu_run):
     assert lines[-2] == f"Results: {run_dir}"
     assert "**Overall: passed.**" in lines
     summary = done.stdout[done.stdout.index("## GPU check summary") :]
-    for title in ("0. gloo probe", "1. equivalence", "2. overlap structure", "3. GEMM efficiency"):
+    for title in (
+        "0. gloo probe",
+        "1. equivalence",
+        "2. overlap structure",
+        "3. GEMM efficiency",
+        "4. in-flight collectives",
+        "5. host time vs device time",
+    ):
         assert f"| {title}" in summary
     assert "###" not in summary, "detail tables must come before the summary"
     assert (run_dir / "summary.md").read_text().rstrip().endswith(f"Results: {run_dir}")
@@ -84,7 +98,7 @@ def test_cpu_quick_run_writes_the_json_record(cpu_run):
     assert "TEST-ONLY shim" in " ".join(record["parts"][1]["notes"])
     by_name = {p["name"]: p for p in record["parts"]}
     assert {name: p["status"] for name, p in by_name.items()} == dict.fromkeys(
-        ("probe", "equivalence", "overlap", "gemm"), "passed"
+        ("probe", "equivalence", "overlap", "gemm", "inflight", "host"), "passed"
     )
     assert by_name["probe"]["details"]["supported"] == dict.fromkeys(probe.COLLECTIVES, True)
     cases = by_name["equivalence"]["details"]["cases"]
@@ -116,6 +130,23 @@ def test_cpu_quick_run_writes_the_json_record(cpu_run):
     assert [(r["p"], r["k"]) for r in rows] == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert rows[0]["fwd_ratio"] == rows[0]["bwd_ratio"] == 1.0
     assert all(r["fwd_tflops"] > 0 and r["bwd_tflops"] > 0 for r in rows)
+    assert all(r["bwd_autograd_tflops"] > 0 for r in rows)
+    assert [r["chunk_copy_ms"] > 0 for r in rows] == [False, False, True, True]
+    inflight = by_name["inflight"]["details"]
+    assert inflight["backend"].startswith("gloo")
+    assert [c["case"] for c in inflight["cases"]] == list(check_inflight.CASES)
+    assert all(c["passed"] and c["launches"] == 1 for c in inflight["cases"])
+    host = by_name["host"]["details"]["rows"]
+    assert [(r["micro_batch"], r["arm"]) for r in host] == [
+        (b, arm) for b, arms in check_host_time.ARMS.items() for arm in arms
+    ]
+    assert all(r["host_ms"] > 0 and r["device_ms"] is None for r in host)
+    assert all(r["verdict"] == "n/a (CPU: host only)" for r in host)
+    stock_ops = {r["micro_batch"]: r["aten_ops"] for r in host if r["arm"] == "stock"}
+    # Each chunk runs the layer's ops again: about twice stock's dispatched operators.
+    assert all(
+        r["aten_ops"] > 1.5 * stock_ops[r["micro_batch"]] for r in host if r["arm"] != "stock"
+    )
 
 
 def test_a_skipped_part_fails_the_run_and_says_why(tmp_path):
@@ -319,3 +350,181 @@ def test_gpu_check_on_cuda(tmp_path):
     record = json.loads((tmp_path / "latest" / "results.json").read_text())
     assert record["environment"]["gpu"] and record["overall"] == "passed"
     assert all(part["status"] == "passed" for part in record["parts"]), record["parts"]
+
+
+# --- the offline command: the lent machine's python, a carried wheel, one results folder --------
+
+OFFLINE = ROOT / "scripts" / "gpu_check_offline.sh"
+
+#: Put first on PYTHONPATH: hides this environment's megatron-core, as on the lent machine.
+_HIDE_INSTALLED_MEGATRON = """
+import sys
+from importlib.machinery import PathFinder
+
+
+class _HideInstalledMegatron:
+    @classmethod
+    def find_spec(cls, name, path=None, target=None):
+        if name != "megatron":
+            return None
+        spec = PathFinder.find_spec(name, [p for p in sys.path if "site-packages" not in p])
+        if spec is None:
+            raise ModuleNotFoundError(f"No module named {name!r} (hidden)", name=name)
+        return spec
+
+
+sys.meta_path.insert(0, _HideInstalledMegatron)
+"""
+
+
+def _stand_in_wheel(folder: Path) -> Path:
+    """A minimal ``megatron_core`` wheel (a bare ``megatron.core``): what pip installs."""
+    import zipfile
+
+    folder.mkdir(parents=True)
+    wheel = folder / "megatron_core-0.19.2-py3-none-any.whl"
+    info = "megatron_core-0.19.2.dist-info"
+    files = {
+        "megatron/core/__init__.py": "STAND_IN = True\n",
+        f"{info}/METADATA": "Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.19.2\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    record = "".join(f"{name},,\n" for name in files) + f"{info}/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for name, text in {**files, f"{info}/RECORD": record}.items():
+            archive.writestr(name, text)
+    return wheel
+
+
+def _run_offline(tmp_path: Path, results: Path, *flags: str, wheels: Path, timeout: int):
+    hide = tmp_path / "hide"
+    hide.mkdir(exist_ok=True)
+    (hide / "sitecustomize.py").write_text(_HIDE_INSTALLED_MEGATRON)
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "PYTHONPATH": str(hide),
+        "WHEELS": str(wheels),
+        "SITE": str(tmp_path / "site"),
+    }
+    return subprocess.run(
+        ["bash", str(OFFLINE), str(results), *flags],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
+    )
+
+
+def test_offline_command_installs_the_carried_wheel_and_fills_the_results_folder(tmp_path):
+    _stand_in_wheel(tmp_path / "wheels")
+    results = tmp_path / "out" / "check"
+    done = _run_offline(
+        tmp_path,
+        results,
+        "--device",
+        "cpu",
+        "--parts",
+        "inflight",
+        wheels=tmp_path / "wheels",
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "into " + str(tmp_path / "site") + " (pip --target" in done.stdout
+    assert (tmp_path / "site" / "megatron" / "core" / "__init__.py").read_text() == (
+        "STAND_IN = True\n"
+    )
+    assert sorted(p.name for p in results.iterdir()) == ["results.json", "summary.md"]
+    record = json.loads((results / "results.json").read_text())
+    assert [(p["name"], p["status"]) for p in record["parts"]] == [("inflight", "passed")]
+    assert "**Overall: passed.**" in (results / "summary.md").read_text()
+    assert not (results.parent / "latest").exists()
+
+
+def test_offline_command_without_megatron_or_wheel_says_how_to_get_it(tmp_path):
+    (tmp_path / "wheels").mkdir()
+    results = tmp_path / "check"
+    done = _run_offline(
+        tmp_path, results, "--device", "cpu", "--quick", wheels=tmp_path / "wheels", timeout=60
+    )
+    assert done.returncode == 4
+    assert (
+        "holds 0 megatron_core wheels" in done.stderr and "scripts/fetch_wheels.sh" in done.stderr
+    )
+    assert not results.exists()
+    done = subprocess.run(["bash", str(OFFLINE)], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 4 and "RESULTS_DIR" in done.stderr
+
+
+def test_run_dir_must_be_new_or_empty_and_budgets_fit_the_lease(tmp_path):
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "summary.md").write_text("an earlier run")
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--run-dir", str(tmp_path / "used")])
+    assert cli.parse_args(["--run-dir", str(tmp_path / "new")]).run_dir == tmp_path / "new"
+    assert set(cli.DEFAULT_BUDGETS_S) == set(cli.QUICK_BUDGETS_S) == set(cli.PARTS)
+    # Quick under 4 minutes and full under 8 on the lent machine, start-up and install included.
+    assert sum(cli.QUICK_BUDGETS_S.values()) <= 230
+    assert sum(cli.DEFAULT_BUDGETS_S.values()) <= 450
+
+
+# --- the new parts' logic, in process -----------------------------------------------------------
+
+
+def test_inflight_cases_fail_when_a_wait_returns_before_the_data(one_rank_group, monkeypatch):
+    from megatron_domino import collectives
+
+    rows = {r["case"]: r for r in check_inflight.inflight_rank("cpu")}
+    assert all(r["passed"] for r in rows.values()), rows
+    wait = collectives.SequenceCollective.wait
+
+    def too_early(self):
+        output = wait(self)
+        return torch.full_like(output, float("nan"))  # what a read before NCCL finished sees
+
+    monkeypatch.setattr(collectives.SequenceCollective, "wait", too_early)
+    rows = {r["case"]: r for r in check_inflight.inflight_rank("cpu")}
+    assert [case for case, r in rows.items() if not r["passed"]] == [
+        "SequenceCollective: all-gather",
+        "SequenceCollective: reduce-scatter",
+    ]
+
+
+def test_host_time_verdict_is_launch_bound_when_the_host_is_slower():
+    assert check_host_time._verdict(dict(host_ms=1.2, device_ms=1.0)) == "launch-bound"
+    assert check_host_time._verdict(dict(host_ms=0.5, device_ms=1.0)) == (
+        "not launch-bound (host 50% of device)"
+    )
+    assert check_host_time._verdict(dict(host_ms=0.5, device_ms=None)).startswith("n/a")
+
+
+def test_gemm_part_runs_what_domino_runs_beside_the_gemms():
+    """k > 1: the pieces concatenated in forward; without fusion, each piece's weight gradient
+    zero-padded to the whole weight and summed, as the slice's backward does."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    shape = gemm.GemmShape(hidden=64, micro_batch=4, seq=8, tp=2)
+    ops = gemm._operands(shape, "cpu", torch.float32)
+    for p, k in ((1, 1), (2, 2)):
+        config = gemm.GemmConfig(shape, p, k)
+        with Ops() as forward:
+            gemm._forward(config, ops, "proj")
+        with Ops() as autograd:
+            gemm._backward_autograd(config, ops, "proj")
+        with Ops() as copy:
+            gemm._chunk_copy(config, ops)
+        assert forward.names.count("cat") == (p if k > 1 else 0)
+        assert autograd.names.count("new_zeros") == (p * k if k > 1 else 0)
+        assert autograd.names.count("add_") == p * k - 1
+        assert copy.names.count("clone") == (p if p > 1 else 0)  # p = 1: already contiguous

@@ -6,7 +6,7 @@ wait with their values at launch, and a handle never waited is listed at the end
 
 * the wrapper itself, on two plain gloo ranks: a read before the wait sees NaN, a written
   input and a written in-place buffer are violations, a forgotten handle is listed;
-* TP = 2: every named setting of :data:`SETTINGS` on a plain model, the sequence-parallel ones
+* TP = 2: every setting of :data:`MATRIX` on a plain model, the sequence-parallel ones
   on an SP model, some under full and selective recompute, each against stock Megatron-Core
   (which runs under the wrapper too: its own async all-reduces and gathers must keep the
   contract). Then a Domino broken on purpose (a wait of each kind skipped, an in-flight input

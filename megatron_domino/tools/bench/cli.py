@@ -28,6 +28,7 @@ from pathlib import Path
 from megatron_domino.harness.model_options import GPTOptions
 from megatron_domino.harness.settings import setting
 from megatron_domino.tools.bench.deepspeed_arm import deepspeed_problems
+from megatron_domino.tools.bench.host_time import host_table, measure_host_time
 from megatron_domino.tools.bench.link import (
     inside_private_namespace,
     namespace_unavailable_reason,
@@ -265,6 +266,10 @@ def main(argv=None) -> int:
                 "auto": auto_check(result),
             }
         )
+    print(
+        "host time per layer: stock and every setting, tiny layers, no-op collectives", flush=True
+    )
+    host = measure_host_time(list(SETTINGS), iters=max(args.iters, 10))
     link = "private namespace, tc tbf rate-limited loopback" if shaped else "plain loopback"
     run = {
         **provenance(link=link),
@@ -272,9 +277,10 @@ def main(argv=None) -> int:
         "warmup": args.warmup,
         "command": "megatron-domino-bench " + " ".join(raw_argv),
         "cases": cases,
+        "host_time": host,
     }
     written = write_artefacts(args.out_dir, run)
-    print(markdown_table(cases))
+    print(markdown_table(cases) + host_table(host))
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

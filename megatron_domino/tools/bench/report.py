@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megatron_domino.tools.bench.host_time import host_table
 from megatron_domino.tools.bench.metrics import DEEPSPEED, arm_names
 from megatron_domino.tools.plots import pyplot, save
 
@@ -97,7 +98,7 @@ def write_artefacts(out_dir: Path, run: dict) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "latest.json", out_dir / "table.md"]
     written[0].write_text(json.dumps(run, indent=1))
-    written[1].write_text(markdown_table(run["cases"]))
+    written[1].write_text(markdown_table(run["cases"]) + host_table(run.get("host_time")))
     if pyplot("no plots written") is None:
         return written
     for case in run["cases"]:

@@ -1,10 +1,11 @@
 """``python -m megatron_domino.tools.gpu_check``: the one-command GPU check, and its flags.
 
 Runs, each within a time budget and printing progress: the gloo probe (part 0), Domino vs
-unpatched Megatron-Core on the device (part 1), the recorded schedule's structure (part 2) and
-the GEMM-efficiency table (part 3); then writes ``results.json`` and ``summary.md`` into a new
-directory under ``--out-dir`` (``latest`` points at it) and prints the detail tables and, last,
-the summary table.
+unpatched Megatron-Core on the device (part 1), the recorded schedule's structure (part 2),
+the GEMM-efficiency table (part 3), Domino's in-flight collectives on one NCCL process (part
+4) and host time against device time per layer (part 5); then writes ``results.json`` and
+``summary.md`` into a new directory under ``--out-dir`` (``latest`` points at it), or into
+``--run-dir`` itself, and prints the detail tables and, last, the summary table.
 
 Exit status: 0 when every part ran and passed; 1 when a part failed; 2 when the requested
 device is missing; 3 when nothing failed but a part or a case inside one was skipped (a
@@ -21,7 +22,7 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_domino.tools.gpu_check import gemm, parts
+from megatron_domino.tools.gpu_check import check_host_time, check_inflight, gemm, parts
 from megatron_domino.tools.gpu_check.results import (
     EXIT_STATUS,
     environment,
@@ -30,12 +31,42 @@ from megatron_domino.tools.gpu_check.results import (
     write_results,
 )
 
-__all__ = ["DEFAULT_BUDGETS_S", "PARTS", "main", "parse_args"]
+__all__ = [
+    "DEFAULT_BUDGETS_S",
+    "PARTS",
+    "QUICK_BUDGETS_S",
+    "STANDALONE_PARTS",
+    "main",
+    "parse_args",
+]
 
-PARTS = ("probe", "equivalence", "overlap", "gemm")
-#: Seconds per part; together under 7 minutes, so the whole check fits a 10-minute session
-#: with start-up. Typical use on a GPU is far below (see docs/gpu_check.md).
-DEFAULT_BUDGETS_S = {"probe": 60.0, "equivalence": 150.0, "overlap": 90.0, "gemm": 120.0}
+#: Parts that take only the device, ``--quick`` and their budget, run in this order after the
+#: four below: one line each registers a part.
+STANDALONE_PARTS = {
+    "inflight": check_inflight.run_part,
+    "host": check_host_time.run_part,
+}
+PARTS = ("probe", "equivalence", "overlap", "gemm", *STANDALONE_PARTS)
+#: Seconds per part on CUDA. Full: 450 s together, under 8 minutes with the start-up and the
+#: wheel install of ``scripts/gpu_check_offline.sh``; ``--quick``: 230 s, under 4. Typical use
+#: is far below (docs/gpu_check.md). ``--device cpu`` takes the full budgets either way: the
+#: CPU stand-in is slower than a GPU, and the minutes that matter are the lent machine's.
+DEFAULT_BUDGETS_S = {
+    "probe": 45.0,
+    "equivalence": 120.0,
+    "overlap": 75.0,
+    "gemm": 90.0,
+    "inflight": 30.0,
+    "host": 90.0,
+}
+QUICK_BUDGETS_S = {
+    "probe": 30.0,
+    "equivalence": 60.0,
+    "overlap": 40.0,
+    "gemm": 25.0,
+    "inflight": 25.0,
+    "host": 50.0,
+}
 NO_CUDA = "no CUDA device: the GPU check needs one"
 
 
@@ -108,6 +139,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "OUT_DIR/latest links to it. Default: gpu_check_results.",
     )
     parser.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="Write results.json and summary.md into exactly this directory instead (created; "
+        "it must not exist or be empty), with no latest link: for a folder that is copied "
+        "back, e.g. $OUT on a lent machine.",
+    )
+    parser.add_argument(
         "--host-staging",
         choices=("auto", "never", "always"),
         default="auto",
@@ -125,6 +164,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="PART=SECONDS",
         help="Time budget of one part (repeatable). Defaults: "
         + ", ".join(f"{k}={v:.0f}" for k, v in DEFAULT_BUDGETS_S.items())
+        + "; with --quick on cuda: "
+        + ", ".join(f"{k}={v:.0f}" for k, v in QUICK_BUDGETS_S.items())
         + ". Model parts past their budget are killed and fail; the GEMM part stops starting "
         "configurations and says how many it left out.",
     )
@@ -154,7 +195,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     shapes.add_argument(
         "--gemm-iters", type=int, default=None, help="Timed iterations (default 10; cpu 2)."
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.run_dir is not None and args.run_dir.exists():
+        if not args.run_dir.is_dir() or any(args.run_dir.iterdir()):
+            parser.error(
+                f"--run-dir {args.run_dir} exists and is not an empty directory: name a new "
+                "one (results are never written over an earlier run's)."
+            )
+    return args
 
 
 def gemm_spec(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
@@ -195,14 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         # The CPU path must not touch a GPU even where one exists (the CPU runtime refuses).
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    budgets = dict(DEFAULT_BUDGETS_S, **dict(args.budget))
+    quick_budgets = args.quick and args.device == "cuda"
+    budgets = dict(QUICK_BUDGETS_S if quick_budgets else DEFAULT_BUDGETS_S, **dict(args.budget))
     env = environment(args.device)
-    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
-    run_dir = args.out_dir / f"{stamp}-{args.device}{'-quick' if args.quick else ''}"
-    for attempt in range(2, 100):  # two runs within one second get their own directories
-        if not run_dir.exists():
-            break
-        run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{attempt}")
+    run_dir = args.run_dir
+    if run_dir is None:
+        stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+        run_dir = args.out_dir / f"{stamp}-{args.device}{'-quick' if args.quick else ''}"
+        for attempt in range(2, 100):  # two runs within one second get their own directories
+            if not run_dir.exists():
+                break
+            run_dir = run_dir.with_name(f"{run_dir.name.split('.')[0]}.{attempt}")
     parts.say(
         f"{env['gpu'] or 'CPU'}, torch {env['torch']}, megatron-core {env['megatron-core']}; "
         f"parts: {', '.join(args.parts)}; results -> {run_dir}"
@@ -230,8 +281,13 @@ def main(argv: list[str] | None = None) -> int:
                 iters=args.gemm_iters if args.gemm_iters is not None else (2 if cpu else 10),
             )
         )
+    for name, run_part in STANDALONE_PARTS.items():
+        if name in args.parts:
+            parts.say(f"{name}: on {args.device}, budget {budgets[name]:.0f} s")
+            results.append(run_part(args.device, args.quick, budgets[name]))
     write_results(run_dir, env, results, sys.argv if argv is None else list(argv))
-    _link_latest(args.out_dir, run_dir)
+    if args.run_dir is None:
+        _link_latest(args.out_dir, run_dir)
     for part in results:
         if part.table:
             print(f"\n### {part.title}\n\n{part.table}")

@@ -18,11 +18,24 @@ fc2         ``[b s / p, 4h / TP]``     ``[h / k, 4h / TP]`` p, k
 ==========  =========================  ==================  ==========
 
 and, for the backward, each GEMM's input gradient (``dx = dy W``, the ``k`` pieces accumulated)
-and weight gradient (``dW += dy^T x``, accumulated over the ``p`` chunks). The chunks are
-contiguous rows here; the copy Domino's ``[s, b/p, h]`` slice needs is not timed. Each
-configuration's TFLOP/s (2 m n k per GEMM; the FLOPs do not depend on p and k) is compared
-with ``p = 1, k = 1`` of the same shape: a ratio below 1 is the chunking overhead that the
-hidden communication has to pay for.
+and weight gradient. Each configuration's TFLOP/s (2 m n k per GEMM; the FLOPs do not depend
+on p and k) is compared with ``p = 1, k = 1`` of the same shape: a ratio below 1 is the
+chunking overhead that the hidden communication has to pay for. What Domino runs beside the
+GEMMs is timed with them, as it runs it:
+
+* **forward**: with ``k > 1`` each row-parallel GEMM's ``k`` piece outputs ``[s, b/p, h/k]``
+  are concatenated into ``[s, b/p, h]`` once reduced (``linears.PendingReduce.wait``);
+* **backward, fused** (``bwd``: ``--gradient-accumulation-fusion``, Megatron-LM's default):
+  ``dW += dy^T x`` straight into the weight's ``main_grad`` for every chunk, a piece into its
+  rows (``column_pieces.py``); the placeholder gradient Domino's ``p k`` calls return is kept
+  once per weight (``placeholder_grads.py``), so no placeholder is added;
+* **backward, autograd** (``bwd autograd``: fusion off): each chunk's ``dW`` is a new tensor
+  that autograd sums into the weight's gradient (``p - 1`` weight-sized additions), and with
+  ``k > 1`` each piece's ``dW_r`` ``[h/k, n]`` reaches the weight through the slice's
+  backward, zero-padded to a whole ``[h, n]`` (``k`` weight-sized zero fills and additions
+  per chunk);
+* **the chunk copy** (its own column): the batch split's ``[s, b/p, h]`` slice of ``[s, b,
+  h]`` made contiguous (``chunking.make_chunks``), once per block and chunk, not per layer.
 
 On CUDA the times come from CUDA events around the GEMMs (bf16); with ``--device cpu`` from
 the wall clock (fp32), which is only good for testing this code.
@@ -193,8 +206,9 @@ def _forward(config: GemmConfig, ops: _Operands, name: str) -> None:
     rows = config.shape.tokens // config.chunks
     for c in range(config.chunks):
         x = ops.x[name][c * rows : (c + 1) * rows]
-        for cols in _pieces(config, n_out, split):
-            F.linear(x, ops.w[name][cols])
+        pieces = [F.linear(x, ops.w[name][cols]) for cols in _pieces(config, n_out, split)]
+        if len(pieces) > 1:
+            torch.cat(pieces, dim=-1)
 
 
 def _backward(config: GemmConfig, ops: _Operands, name: str) -> None:
@@ -212,22 +226,61 @@ def _backward(config: GemmConfig, ops: _Operands, name: str) -> None:
             ops.dw[name][cols].addmm_(dy.t(), x)
 
 
+def _backward_autograd(config: GemmConfig, ops: _Operands, name: str) -> None:
+    """The backward as autograd runs it without gradient-accumulation fusion (docstring)."""
+    n_in, n_out, split = config.shape.linears()[name]
+    rows = config.shape.tokens // config.chunks
+    weight_grad = None
+    for c in range(config.chunks):
+        chunk = slice(c * rows, (c + 1) * rows)
+        x, dx = ops.x[name][chunk], ops.dx[name][chunk]
+        pieces = list(_pieces(config, n_out, split))
+        for i, cols in enumerate(pieces):
+            dy, w = ops.dy[name][chunk, cols], ops.w[name][cols]
+            if i == 0:
+                torch.mm(dy, w, out=dx)
+            else:
+                dx.addmm_(dy, w)
+            grad = torch.mm(dy.t(), x)
+            if len(pieces) > 1:  # the slice's backward: a zero-padded whole-weight gradient
+                padded = grad.new_zeros(n_out, n_in)
+                padded[cols] = grad
+                grad = padded
+            weight_grad = grad if weight_grad is None else weight_grad.add_(grad)
+
+
+def _chunk_copy(config: GemmConfig, ops: _Operands) -> None:
+    """The batch split's chunks of the block input ``[s, b, h]`` made contiguous."""
+    shape = config.shape
+    full = ops.x["qkv"].view(shape.seq, shape.micro_batch, shape.hidden)
+    width = shape.micro_batch // config.chunks
+    for c in range(config.chunks):
+        full[:, c * width : (c + 1) * width].contiguous()
+
+
+_PHASES = {"fwd": _forward, "bwd": _backward, "bwd_autograd": _backward_autograd}
+
+
 def _time_one(
     config: GemmConfig, ops: _Operands, timer: _Timer, warmup: int, iters: int
 ) -> dict[str, dict[str, float]]:
-    """Median seconds per GEMM and pass over ``iters`` iterations after ``warmup``."""
-    samples: dict[str, dict[str, list[float]]] = {p: {g: [] for g in GEMMS} for p in ("fwd", "bwd")}
+    """Median seconds per GEMM and phase (:data:`_PHASES`) over ``iters`` iterations after
+    ``warmup``, and of the chunk copy (under ``"copy"``)."""
+    samples: dict[str, dict[str, list[float]]] = {p: {g: [] for g in GEMMS} for p in _PHASES}
+    samples["copy"] = {"chunks": []}
     for iteration in range(warmup + iters):
         marks = []
-        for step in (_forward, _backward):
+        for phase, step in _PHASES.items():
             for name in GEMMS:
                 start = timer.mark()
                 step(config, ops, name)
-                marks.append((step, name, start, timer.mark()))
+                marks.append((phase, name, start, timer.mark()))
+        start = timer.mark()
+        _chunk_copy(config, ops)
+        marks.append(("copy", "chunks", start, timer.mark()))
         timer.sync()
         if iteration >= warmup:
-            for step, name, start, end in marks:
-                phase = "fwd" if step is _forward else "bwd"
+            for phase, name, start, end in marks:
                 samples[phase][name].append(timer.seconds(start, end))
     return {
         phase: {name: statistics.median(v) for name, v in by_gemm.items()}
@@ -271,7 +324,7 @@ def time_configurations(
             operands = (config.shape, _operands(config.shape, device, dtype))
         seconds = _time_one(config, operands[1], timer, warmup, iters)
         row = dict(asdict(config.shape), p=config.chunks, k=config.column_chunks)
-        for phase, factor in (("fwd", 1.0), ("bwd", 2.0)):
+        for phase, factor in (("fwd", 1.0), ("bwd", 2.0), ("bwd_autograd", 2.0)):
             total_s = sum(seconds[phase].values())
             total_flops = sum(factor * _flops(config.shape, g) for g in GEMMS)
             for name in GEMMS:
@@ -280,10 +333,11 @@ def time_configurations(
                 )
             row[f"{phase}_ms"] = total_s * 1e3
             row[f"{phase}_tflops"] = total_flops / total_s / 1e12
+        row["chunk_copy_ms"] = seconds["copy"]["chunks"] * 1e3 if config.chunks > 1 else 0.0
         if (config.chunks, config.column_chunks) == (1, 1):
             baselines[config.shape] = row
         base = baselines.get(config.shape)
-        for phase in ("fwd", "bwd"):
+        for phase in ("fwd", "bwd", "bwd_autograd"):
             row[f"{phase}_ratio"] = (
                 row[f"{phase}_tflops"] / base[f"{phase}_tflops"] if base else None
             )
@@ -305,15 +359,16 @@ def gemm_table(rows: list[dict]) -> str:
     """The Markdown table of :func:`time_configurations`' rows (TFLOP/s per rank)."""
     header = (
         "| h | b | s | TP | p | k | rows/GEMM | QKV | proj | fc1 | fc2 | fwd layer | fwd vs p1k1 "
-        "| bwd layer | bwd vs p1k1 |"
+        "| bwd layer | bwd vs p1k1 | bwd autograd | vs p1k1 | chunk copy ms |"
     )
-    lines = [header, "|" + "---|" * 15]
+    lines = [header, "|" + "---|" * 18]
     for r in rows:
         gemm_cells = " | ".join(f"{r[f'fwd_{g}_tflops']:.3g}" for g in GEMMS)
         lines.append(
             f"| {r['hidden']} | {r['micro_batch']} | {r['seq']} | {r['tp']} | {r['p']} | "
             f"{r['k']} | {r['micro_batch'] * r['seq'] // r['p']} | {gemm_cells} | "
             f"{r['fwd_tflops']:.3g} | {_ratio(r['fwd_ratio'])} | {r['bwd_tflops']:.3g} | "
-            f"{_ratio(r['bwd_ratio'])} |"
+            f"{_ratio(r['bwd_ratio'])} | {r['bwd_autograd_tflops']:.3g} | "
+            f"{_ratio(r['bwd_autograd_ratio'])} | {r['chunk_copy_ms']:.3g} |"
         )
     return "\n".join(lines)

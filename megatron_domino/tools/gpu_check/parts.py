@@ -380,10 +380,12 @@ def run_gemm(
         low, row = min(ratios, key=lambda pair: pair[0])
         high = max(ratio for ratio, _ in ratios)
         bwd = [r["bwd_ratio"] for _, r in ratios]
+        autograd = [r["bwd_autograd_ratio"] for _, r in ratios]
         summary += (
             f"; fwd TFLOP/s vs p=1,k=1 from {low:.2f}x (h={row['hidden']} b={row['micro_batch']} "
-            f"s={row['seq']} p={row['p']} k={row['k']}) to {high:.2f}x; bwd from "
-            f"{min(bwd):.2f}x to {max(bwd):.2f}x"
+            f"s={row['seq']} p={row['p']} k={row['k']}) to {high:.2f}x; bwd (fused wgrad) from "
+            f"{min(bwd):.2f}x to {max(bwd):.2f}x, without fusion from {min(autograd):.2f}x to "
+            f"{max(autograd):.2f}x"
         )
     return PartResult(
         name="gemm",
