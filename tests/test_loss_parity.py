@@ -92,3 +92,34 @@ def test_baseline_and_domino_losses_match_in_fp32(tmp_path, capsys):
     assert result["provenance"]["torch"] and result["domino_flags"] == ["--domino"]
     assert (out / "loss_parity.png").stat().st_size > 0
     assert "[loss-parity] 6 iterations: max |loss difference| " in printed
+
+
+def test_dropout_seeds_mode_flags_seeds_and_refusals():
+    args, training = parse_args(["--dropout-seeds", "3", "--train-iters", "5"])
+    assert args.dropout_seeds == 3 and loss_parity.dropout_seeds(3) == [1234, 1235, 1236]
+    flags = arm_flags(Path("out"), [*loss_parity.DROPOUT_ON, *training, "--seed", "1235"], [],
+                      tag="-seed1235")  # fmt: skip
+    words = " ".join(flags["domino"])
+    # Dropout back on after the defaults' 0 (the last value counts), per-seed logs.
+    assert words.index("--attention-dropout 0.1") > words.index("--attention-dropout 0 ")
+    assert "--seed 1235 --log-json out/domino-seed1235.jsonl --domino" in words
+    for argv, message in ((["--dropout-seeds", "1"], "at least 2 seeds"),
+                          (["--dropout-seeds", "2", "--tolerance", "1e-5"], "drop --tolerance"),
+                          (["--dropout-seeds", "2", "--seed", "7"], "seeds 1234, 1235")):  # fmt: skip
+        with pytest.raises(LossParityError, match=message):
+            parse_args(argv)
+
+
+def test_the_seed_comparison_puts_dominos_mean_inside_or_outside_stocks_band():
+    stock = [{1: 6.0, 2: 5.0, 3: 4.0}, {1: 6.2, 2: 5.2, 3: 4.2}]
+    result = loss_parity.compare_seeds(stock, [{1: 6.05, 2: 5.1, 3: 4.1}, {1: 6.1, 2: 5.2, 3: 4.1}])
+    assert result["domino_mean_inside_baseline_band"] == [True, True, True]
+    assert result["inside_fraction"] == 1 and result["seeds"] == 2 and result["within_spread"]
+    assert result["domino_band"]["mean"] == pytest.approx([6.075, 5.15, 4.1])
+    assert result["first_iteration_paired_abs_diff"] == pytest.approx([0.05, 0.1])
+    # A Domino that trains another model: its mean leaves the band as the curves fall.
+    drifting = loss_parity.compare_seeds(stock, [{1: 6.1, 2: 5.3, 3: 4.5}] * 2)
+    assert drifting["domino_mean_inside_baseline_band"] == [True, False, False]
+    assert drifting["max_mean_gap"] == pytest.approx(0.4) and not drifting["within_spread"]
+    with pytest.raises(LossParityError, match="different iterations"):
+        loss_parity.compare_seeds(stock, [{1: 6.0, 2: 5.0}, {1: 6.0, 2: 5.0}])
