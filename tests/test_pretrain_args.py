@@ -7,6 +7,7 @@ a real launch with a refused flag combination: it fails before writing anything.
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -300,3 +301,25 @@ def test_an_older_transformer_engine_is_refused_at_argument_time(monkeypatch):
     checked(monkeypatch, *TP2_DOMINO)
     _installed_te(monkeypatch, "2.18.0")
     checked(monkeypatch, *TE_DOMINO, "--sequence-parallel")
+
+
+@pytest.mark.parametrize(
+    ("extra", "error", "expected"),
+    [
+        # Domino's own reason, not a pointer to the patch (which refuses the same).
+        ([*TP2_DOMINO, "--context-parallel-size", "2"], DominoUnsupportedError,
+         "context parallelism is not supported"),
+        ([*TP2_DOMINO, "--num-experts", "2", "--expert-tensor-parallel-size", "1"], DominoUnsupportedError, "MoE layers are not supported"),
+        # Without --domino: upstream's script runs it, no patch needed.
+        (["--context-parallel-size", "2"], entry.StartupError,
+         "does not implement --context-parallel-size > 1; Megatron-LM's own pretrain_gpt.py runs it"),
+        # A flag only this script lacks, with Domino's checks passed: the patch runs it.
+        ([*TP2_DOMINO, "--sft"], entry.StartupError,
+         "Domino's own checks accept this command line, so Megatron-LM's pretrain_gpt.py"),
+    ],
+)  # fmt: skip
+def test_context_parallel_and_moe_are_refused_with_what_is_true(
+    monkeypatch, extra, error, expected
+):
+    with pytest.raises(error, match=re.escape(expected)):
+        checked(monkeypatch, *extra, world_size=4)
