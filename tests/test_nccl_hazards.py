@@ -79,7 +79,7 @@ MATRIX = {
         ("p2", "p2-k2"),
     ),
 }
-PIPELINE_SETTINGS = ("p2-k2", "s2", "sp-p2")
+PIPELINE_SETTINGS = ("p2-k2", "sp-p2")
 
 
 def _micro_batch(name: str) -> int:

@@ -43,7 +43,7 @@ _GRADIENT_TOLERANCE = 1e-5
 _SEQ, _BATCH, _HIDDEN = 512, 2, 1024  # [s, b, h] on the GPU; the CPU uses 1/8 of s and h
 
 
-def _busy(x, rounds: int = 8):
+def _busy(x, rounds: int = 64):
     """``x`` after a queue of kernels on the current stream that leave it unchanged."""
     import torch
 
