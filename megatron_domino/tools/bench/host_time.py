@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 
-__all__ = ["HOST_MODEL", "host_table", "host_time_rank", "measure_host_time", "with_ratios"]
+__all__ = ["HOST_MODEL", "host_table", "host_time_rank", "main", "measure_host_time", "with_ratios"]
 
 #: Tiny Llama-style layers at TP = 2: compute is negligible next to the host's work.
 HOST_MODEL = dict(
@@ -154,3 +154,20 @@ def host_table(host: dict | None) -> str:
         for r in host["rows"]
     ]
     return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m megatron_domino.tools.bench.host_time [--iters N]``: the host row alone."""
+    import argparse
+
+    from megatron_domino.tools.bench.cli import SETTINGS
+
+    parser = argparse.ArgumentParser(description="The bench's host-time row alone.")
+    parser.add_argument("--iters", type=int, default=20, help="Round-robin rounds (median).")
+    args = parser.parse_args(argv)
+    print(host_table(measure_host_time(list(SETTINGS), iters=args.iters)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

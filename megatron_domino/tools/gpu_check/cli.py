@@ -48,7 +48,7 @@ STANDALONE_PARTS = {
 }
 PARTS = ("probe", "equivalence", "overlap", "gemm", *STANDALONE_PARTS)
 #: Seconds per part on CUDA. Full: 450 s together, under 8 minutes with the start-up and the
-#: wheel install of ``scripts/gpu_check_offline.sh``; ``--quick``: 230 s, under 4. Typical use
+#: wheel install of ``scripts/gpu_check_offline.sh``; ``--quick``: 210 s, under 4. Typical use
 #: is far below (docs/gpu_check.md). ``--device cpu`` takes the full budgets either way: the
 #: CPU stand-in is slower than a GPU, and the minutes that matter are the lent machine's.
 DEFAULT_BUDGETS_S = {
@@ -60,12 +60,12 @@ DEFAULT_BUDGETS_S = {
     "host": 90.0,
 }
 QUICK_BUDGETS_S = {
-    "probe": 30.0,
-    "equivalence": 60.0,
+    "probe": 25.0,
+    "equivalence": 65.0,
     "overlap": 40.0,
-    "gemm": 25.0,
-    "inflight": 25.0,
-    "host": 50.0,
+    "gemm": 15.0,
+    "inflight": 20.0,
+    "host": 45.0,
 }
 NO_CUDA = "no CUDA device: the GPU check needs one"
 
