@@ -17,8 +17,25 @@ from __future__ import annotations
 
 import statistics
 
-__all__ = ["HOST_MODEL", "host_table", "host_time_rank", "main", "measure_host_time", "with_ratios"]
+__all__ = [
+    "HOST_MODEL",
+    "LLAMA_FLAVOUR",
+    "host_table",
+    "host_time_rank",
+    "main",
+    "measure_host_time",
+    "with_ratios",
+]
 
+#: The Llama flavour of the measured layers (GPTOptions fields), dropout off.
+LLAMA_FLAVOUR = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    add_bias_linear=False,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+)
 #: Tiny Llama-style layers at TP = 2: compute is negligible next to the host's work.
 HOST_MODEL = dict(
     num_layers=8,
@@ -28,12 +45,7 @@ HOST_MODEL = dict(
     ffn_hidden_size=96,
     seq_length=16,
     vocab_size=256,
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    add_bias_linear=False,
-    attention_dropout=0.0,
-    hidden_dropout=0.0,
+    **LLAMA_FLAVOUR,
 )
 HOST_MICRO_BATCH = 4
 

@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import time
 
-from megatron_domino.harness.ranks import RankFailure, run_ranks
-from megatron_domino.tools.bench.host_time import with_ratios
+from megatron_domino.tools.bench.host_time import LLAMA_FLAVOUR, with_ratios
 from megatron_domino.tools.gpu_check.results import PartResult
 
 __all__ = ["ARMS", "model_fields", "run_part"]
@@ -48,12 +47,7 @@ def model_fields(device: str) -> dict:
         ffn_hidden_size=ffn,
         seq_length=seq,
         vocab_size=1024,
-        normalization="RMSNorm",
-        swiglu=True,
-        position_embedding_type="rope",
-        add_bias_linear=False,
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
+        **LLAMA_FLAVOUR,
         bf16=device == "cuda",
     )
 
@@ -82,7 +76,7 @@ def _table(rows: list[dict]) -> str:
 
 def run_part(device: str, quick: bool, budget_s: float) -> PartResult:
     """The part, as the check's parent runs it (two spawned ranks within ``budget_s``)."""
-    from megatron_domino.tools.gpu_check.parts import model_parts_unavailable
+    from megatron_domino.tools.gpu_check.parts import model_parts_unavailable, run_part_ranks
 
     unavailable = model_parts_unavailable()
     if unavailable:
@@ -96,25 +90,16 @@ def run_part(device: str, quick: bool, budget_s: float) -> PartResult:
         )
     start = time.monotonic()
     warmup, iters = (2, 5) if quick or device == "cpu" else (3, 10)
-    try:
-        per_rank = run_ranks(
-            "megatron_domino.tools.bench.host_time:host_time_rank",
-            2,
-            device=device,
-            args=(device, model_fields(device), ARMS, warmup, iters),
-            timeout_s=budget_s,
-        )
-    except RankFailure as error:
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        return PartResult(
-            name="host",
-            title=TITLE,
-            status="failed",
-            summary="a rank failed;",
-            reason=" / ".join(lines[-4:]),
-            elapsed_s=time.monotonic() - start,
-            budget_s=budget_s,
-        )
+    per_rank, failed_part = run_part_ranks(
+        "megatron_domino.tools.bench.host_time:host_time_rank",
+        name="host",
+        title=TITLE,
+        budget_s=budget_s,
+        device=device,
+        args=(device, model_fields(device), ARMS, warmup, iters),
+    )
+    if failed_part is not None:
+        return failed_part
     rows = with_ratios(per_rank[0]["rows"])
     for row in rows:
         row["verdict"] = _verdict(row)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import time
 
-from megatron_domino.harness.ranks import RankFailure, run_ranks
 from megatron_domino.tools.gpu_check.results import PartResult
 
 __all__ = ["CASES", "inflight_rank", "run_part"]
@@ -192,28 +191,24 @@ def _table(rows: list[dict]) -> str:
 def run_part(device: str, quick: bool, budget_s: float) -> PartResult:
     """The part, as the check's parent runs it (one spawned process within ``budget_s``)."""
     del quick  # one size: the check is about ordering, and takes seconds either way
+    from megatron_domino.tools.gpu_check.parts import run_part_ranks
+
     start = time.monotonic()
     backend = "NCCL" if device == "cuda" else "gloo (CPU stand-in: no NCCL semantics)"
-    try:
-        (rows,) = run_ranks(
-            "megatron_domino.tools.gpu_check.check_inflight:inflight_rank",
-            1,
-            device=device,
-            args=(device,),
-            init="plain",
-            timeout_s=budget_s,
-        )
-    except RankFailure as error:
-        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        return PartResult(
-            name="inflight",
-            title=TITLE,
-            status="failed",
-            summary="the process failed;",
-            reason=" / ".join(lines[-4:]),
-            elapsed_s=time.monotonic() - start,
-            budget_s=budget_s,
-        )
+    per_rank, failed_part = run_part_ranks(
+        "megatron_domino.tools.gpu_check.check_inflight:inflight_rank",
+        name="inflight",
+        title=TITLE,
+        budget_s=budget_s,
+        device=device,
+        args=(device,),
+        failure_summary="the process failed;",
+        world_size=1,
+        init="plain",
+    )
+    if failed_part is not None:
+        return failed_part
+    (rows,) = per_rank
     failed = [r["case"] for r in rows if not r["passed"] or r["left_pending"]]
     return PartResult(
         name="inflight",

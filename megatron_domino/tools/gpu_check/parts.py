@@ -30,6 +30,7 @@ __all__ = [
     "run_equivalence",
     "run_gemm",
     "run_overlap",
+    "run_part_ranks",
     "run_probe",
     "staging_plan",
 ]
@@ -85,7 +86,7 @@ def run_probe(device: str, budget_s: float) -> tuple[PartResult, dict[str, bool 
     say(f"probe: gloo collectives on {device} tensors, 2 ranks (budget {budget_s:.0f} s)")
     title = "0. gloo probe"
     start = time.monotonic()
-    per_rank, failed_part = _run_part_ranks(
+    per_rank, failed_part = run_part_ranks(
         "megatron_domino.tools.gpu_check.probe:probe_rank",
         name="probe",
         title=title,
@@ -120,7 +121,7 @@ def run_probe(device: str, budget_s: float) -> tuple[PartResult, dict[str, bool 
     return part, supported
 
 
-def _run_part_ranks(
+def run_part_ranks(
     target: str,
     *,
     name: str,
@@ -130,16 +131,21 @@ def _run_part_ranks(
     args: tuple,
     notes: list[str] | None = None,
     failure_summary: str = "a rank failed;",
+    world_size: int = TP,
     **options,
 ) -> tuple[list | None, PartResult | None]:
-    """Run ``target`` on the TP ranks within the part's budget.
+    """Run ``target`` on ``world_size`` ranks (the TP ranks unless told) within the part's
+    budget.
 
     Returns ``(per-rank results, None)``, or ``(None, the part's failed result)`` when a rank
     raised, died or ran out of time.
     """
     start = time.monotonic()
     try:
-        return run_ranks(target, TP, device=device, args=args, timeout_s=budget_s, **options), None
+        per_rank = run_ranks(
+            target, world_size, device=device, args=args, timeout_s=budget_s, **options
+        )
+        return per_rank, None
     except RankFailure as error:
         return None, PartResult(
             name=name,
@@ -214,7 +220,7 @@ def run_equivalence(
         f"staged: {', '.join(collectives.staged) or 'nothing'}"
     )
     start = time.monotonic()
-    per_rank, failed_part = _run_part_ranks(
+    per_rank, failed_part = run_part_ranks(
         "megatron_domino.tools.gpu_check.check_equivalence:equivalence_rank",
         name="equivalence",
         title=title,
@@ -272,7 +278,7 @@ def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: fl
     timing = "CUDA events" if device == "cuda" else "wall clock"
     say(f"overlap: {', '.join(settings)} on 2 ranks, {timing}, budget {budget_s:.0f} s")
     start = time.monotonic()
-    per_rank, failed_part = _run_part_ranks(
+    per_rank, failed_part = run_part_ranks(
         "megatron_domino.tools.gpu_check.check_overlap:overlap_rank",
         name="overlap",
         title=title,
