@@ -198,7 +198,9 @@ def _refused(extra: list[str]) -> str:
         with contextlib.redirect_stderr(stderr):
             _build(extra)
     except SystemExit as stop:
-        return f"SystemExit({stop.code}): {stderr.getvalue().strip()}"
+        said = stderr.getvalue()  # Megatron's warnings first, if any
+        start = said.find("pretrain_gpt.py: error: ")
+        return f"SystemExit({stop.code}): {said[start:].strip() if start >= 0 else ''}"
     except Exception as err:  # the check reads the type and the message
         return first_line(err)
     return "NOT REFUSED"
