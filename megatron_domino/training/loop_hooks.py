@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from megatron.training import training as megatron_training
 
+from megatron_domino.config import AUTO
 from megatron_domino.harness.patch import Patch
 from megatron_domino.training.domino_ab import STOCK, DominoAB
 from megatron_domino.training.runs import append_record
@@ -65,7 +66,8 @@ def add_loop_hook_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         action="store_true",
         help="With --domino: record the collectives of a few iterations after the first and "
         "print, per layer and direction, their in-flight, exposed and hidden time; totals go "
-        "to --log-json.",
+        "to --log-json. With --domino-ab it records after the comparison and ends with its "
+        "stock-vs-Domino numbers (hidden time is not a speed-up by itself).",
     )
     group.add_argument(
         "--domino-report-iters",
@@ -92,8 +94,6 @@ def loop_hook_problems(args: argparse.Namespace) -> list[str]:
     """What is wrong with the flags of :func:`add_loop_hook_args` (empty when nothing).
 
     Checked at argument time by both entry points, before anything is written."""
-    from megatron_domino.config import AUTO
-
     problems = []
     if args.domino_report and not args.domino:
         problems.append("--domino-report reports Domino's overlap; add --domino.")
