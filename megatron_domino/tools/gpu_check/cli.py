@@ -3,14 +3,16 @@
 Runs, each within a time budget and printing progress: the gloo probe (part 0), Domino vs
 unpatched Megatron-Core on the device (part 1), the recorded schedule's structure (part 2),
 the GEMM-efficiency table (part 3), Domino's in-flight collectives on one NCCL process (part
-4) and host time against device time per layer (part 5); then writes ``results.json`` and
+4), host time against device time per layer (part 5) and a Domino step captured in a CUDA
+graph and replayed (part 6: CUDA only and opt-in, ``--parts capture``, since the default
+parts fill the lent machine's lease; skipped on the CPU); then writes ``results.json`` and
 ``summary.md`` into a new directory under ``--out-dir`` (``latest`` points at it), or into
 ``--run-dir`` itself, and prints the detail tables and, last, the summary table.
 
 Exit status: 0 when every part ran and passed; 1 when a part failed; 2 when the requested
 device is missing; 3 when nothing failed but a part or a case inside one was skipped (a
-missing package, a collective gloo lacks under ``--host-staging never``): no part is skipped
-by design on either device, so a skip means the check is incomplete, and it says which and
+missing package, a collective gloo lacks under ``--host-staging never``, part 6 asked for on
+the CPU): a skip means the check is incomplete, and it says which and
 why in the summary's Overall line (:func:`~megatron_domino.tools.gpu_check.results.verdict`).
 """
 
@@ -22,7 +24,13 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_domino.tools.gpu_check import check_host_time, check_inflight, gemm, parts
+from megatron_domino.tools.gpu_check import (
+    check_capture,
+    check_host_time,
+    check_inflight,
+    gemm,
+    parts,
+)
 from megatron_domino.tools.gpu_check.results import (
     EXIT_STATUS,
     environment,
@@ -45,8 +53,13 @@ __all__ = [
 STANDALONE_PARTS = {
     "inflight": check_inflight.run_part,
     "host": check_host_time.run_part,
+    "capture": check_capture.run_part,
 }
 PARTS = ("probe", "equivalence", "overlap", "gemm", *STANDALONE_PARTS)
+#: Run only when asked for (``--parts capture``): the default parts fill the lent machine's
+#: lease, and the capture needs CUDA (on ``--device cpu`` it is skipped: "needs CUDA").
+OPT_IN_PARTS = ("capture",)
+DEFAULT_PARTS = tuple(part for part in PARTS if part not in OPT_IN_PARTS)
 #: Seconds per part on CUDA. Full: 450 s together, under 8 minutes with the start-up and the
 #: wheel install of ``scripts/gpu_check_offline.sh``; ``--quick``: 210 s, under 4. Typical use
 #: is far below (docs/gpu_check.md). ``--device cpu`` takes the full budgets either way: the
@@ -58,6 +71,7 @@ DEFAULT_BUDGETS_S = {
     "gemm": 90.0,
     "inflight": 30.0,
     "host": 90.0,
+    "capture": 60.0,
 }
 QUICK_BUDGETS_S = {
     "probe": 25.0,
@@ -66,6 +80,7 @@ QUICK_BUDGETS_S = {
     "gemm": 15.0,
     "inflight": 20.0,
     "host": 45.0,
+    "capture": 45.0,
 }
 NO_CUDA = "no CUDA device: the GPU check needs one"
 
@@ -127,9 +142,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--parts",
         type=_parts,
-        default=PARTS,
+        default=DEFAULT_PARTS,
         help=f"Comma-separated parts to run, from {','.join(PARTS)} (the probe also runs "
-        "whenever equivalence or overlap does). Default: all.",
+        f"whenever equivalence or overlap does). Default: {','.join(DEFAULT_PARTS)}.",
     )
     parser.add_argument(
         "--out-dir",
@@ -243,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu":
         # The CPU path must not touch a GPU even where one exists (the CPU runtime refuses).
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    for part in OPT_IN_PARTS:
+        if part not in args.parts:
+            parts.say(f"{part}: not run (opt-in, needs CUDA): add --parts {part} on a GPU")
     quick_budgets = args.quick and args.device == "cuda"
     budgets = dict(QUICK_BUDGETS_S if quick_budgets else DEFAULT_BUDGETS_S, **dict(args.budget))
     env = environment(args.device)
