@@ -591,7 +591,7 @@ def test_srun_recipe_trains_with_ranks_from_slurm_variables(tmp_path, capsys):
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
 def test_scripts_are_shellcheck_clean():
-    scripts = [*(EXAMPLES / s for s in (*SCRIPTS.values(), "ab_compare.sh"))]
+    scripts = [*(EXAMPLES / s for s in (*SCRIPTS.values(), "ab_compare.sh", "llama3_70b_h100.sh"))]
     done = subprocess.run(
         ["shellcheck", "-x", *map(str, scripts), str(EXAMPLES / "lib" / "common.sh")],
         cwd=REPO,
@@ -717,3 +717,21 @@ def test_ab_report_refuses_logs_without_measured_iterations(tmp_path, capsys, mo
     assert "warm-up" in capsys.readouterr().err
     assert ab_report.main([*argv[:1], str(tmp_path / "missing.jsonl"), *argv[2:]]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_llama3_70b_h100_recipe_is_nvidias_layout_where_domino_applies(monkeypatch):
+    done = run_script("llama3_70b_h100.sh", MOCK="1", NNODES="8")
+    [(launcher, flags)] = launches(done.stdout)
+    assert launcher[0] == "srun" and "--nodes=8" in launcher and "--ntasks-per-node=8" in launcher
+    args = accepted(flags, world_size=64, monkeypatch=monkeypatch)
+    assert (args.num_layers, args.hidden_size, args.num_query_groups) == (80, 8192, 8)
+    layout = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    assert layout == (4, 4) and args.virtual_pipeline_model_parallel_size == 5
+    assert args.sequence_parallel and args.micro_batch_size == 1 and args.bf16
+    assert args.transformer_impl == "transformer_engine" and args.context_parallel_size == 1
+    assert args.domino and args.domino_split_along == "sequence" and args.domino_chunks == 2
+    assert not args.tp_comm_overlap and args.cuda_graph_impl == "none"
+    header = (EXAMPLES / "llama3_70b_h100.sh").read_text()
+    for given_up in ("context parallelism (CP 2)", "TE userbuffer overlap", "CUDA graphs"):
+        assert given_up in header
+    assert "#SBATCH --requeue\n" in header and "#SBATCH --gpus-per-node=8\n" in header

@@ -186,7 +186,8 @@ recipe_setup() {
     recipe_gpus_per_node
     TP=${TP:-8}
     PP=${PP:-1}
-    recipe_require_int NNODES TP PP
+    VP=${VP:-1}
+    recipe_require_int NNODES TP PP VP
     WORLD_SIZE=$((NNODES * GPUS_PER_NODE))
     ((TP >= 1 && PP >= 1 && WORLD_SIZE % (TP * PP) == 0)) ||
         recipe_die "TP=$TP x PP=$PP does not divide the $WORLD_SIZE ranks \
@@ -395,6 +396,8 @@ recipe_pretrain_args() {
 
     # Tensor (and sequence) and pipeline parallelism.
     MODEL_PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")
+    # Interleaved pipeline: VP model chunks (virtual stages) per pipeline rank.
+    ((VP > 1)) && MODEL_PARALLEL_ARGS+=(--num-virtual-stages-per-pipeline-rank "$VP")
     ((SEQUENCE_PARALLEL)) && MODEL_PARALLEL_ARGS+=(--sequence-parallel)
     ((DISTRIBUTED_OPTIMIZER)) && MODEL_PARALLEL_ARGS+=(--use-distributed-optimizer)
     ((OVERLAP_GRAD_REDUCE)) && MODEL_PARALLEL_ARGS+=(--overlap-grad-reduce)
