@@ -46,6 +46,7 @@ __all__ = [
     "recompute_problems",
     "sharded_problems",
     "te_problems",
+    "te_sequence_parallel_problems",
 ]
 
 #: (TransformerConfig attribute, is-refused predicate, reason and fix)
@@ -59,8 +60,16 @@ REFUSED_FEATURES = (
     ("external_cuda_graph", bool, "CUDA graphs bypass forward(); disable CUDA graphs"),
     (
         "cuda_graph_impl",
-        lambda v: v not in (None, "none"),
-        "CUDA graphs bypass forward(); set cuda_graph_impl='none'",
+        lambda v: v not in (None, "none", "full_iteration"),
+        "CUDA graphs bypass forward(): per-layer graphs replay each layer's own forward, not "
+        "Domino's block schedule (by design); set --cuda-graph-impl none",
+    ),
+    (
+        "cuda_graph_impl",
+        lambda v: v == "full_iteration",
+        "--cuda-graph-impl full_iteration waits for a GPU to capture and replay a Domino step "
+        "(megatron-domino-gpu-check --parts capture; the CPU-side checks pass, "
+        "tests/test_capture_safety.py); set --cuda-graph-impl none until then",
     ),
     ("num_moe_experts", lambda v: v is not None, "MoE layers are not supported; use a dense model"),
     (
@@ -332,6 +341,32 @@ def te_problems(
     return problems
 
 
+#: Why Domino refuses Transformer Engine's fused norm + column linear under sequence
+#: parallelism, and the fix (flag time: Megatron-LM would build that layer; model time: it was).
+TE_FUSED_NORM_UNDER_SP = (
+    "under --sequence-parallel Domino needs Transformer Engine's norms apart from the "
+    "column-parallel linears: on the fused TELayerNormColumnParallelLinear it could only "
+    "gather the pre-norm residual, so the norm would run tp times and keep the whole "
+    "sequence for backward (stock TE norms the shard and gathers the norm output); run "
+    "pretrain_gpt_domino.py with --spec megatron_domino.te_spec te_norms_apart_block_spec (the "
+    "same parameters, torch_dist checkpoints load either way; Megatron-LM's own pretrain_gpt.py "
+    "takes no spec builder function), or drop --sequence-parallel"
+)
+
+
+def te_sequence_parallel_problems(block: TransformerBlock) -> list[str]:
+    """:data:`TE_FUSED_NORM_UNDER_SP` when a sequence-parallel block's TE layers fuse a norm
+    into a column linear (the layer's own norm is then ``IdentityOp``)."""
+    if not block.config.sequence_parallel:
+        return []
+    fused = any(
+        isinstance(layer.input_layernorm, IdentityOp)
+        or isinstance(layer.pre_mlp_layernorm, IdentityOp)
+        for layer in block.layers
+    )
+    return [TE_FUSED_NORM_UNDER_SP] if fused else []
+
+
 def raise_problems(problems: list[str]) -> None:
     """Raise one :class:`DominoUnsupportedError` listing ``problems`` (if there are any)."""
     if problems:
@@ -352,6 +387,8 @@ def model_problems(block: TransformerBlock, config: DominoConfig) -> list[str]:
     if te_layers:
         check_transformer_engine_version()
     problems = config_problems(block.config, config, tp_size=tp_size, te_layers=te_layers)
+    if te_layers:
+        problems += te_sequence_parallel_problems(block)
     problems += sharded_problems(block)
     if not block.layers:
         problems.append("the block has no layers")

@@ -323,3 +323,19 @@ def test_context_parallel_and_moe_are_refused_with_what_is_true(
 ):
     with pytest.raises(error, match=re.escape(expected)):
         checked(monkeypatch, *extra, world_size=4)
+
+
+@pytest.mark.parametrize(
+    ("impl", "expected"),
+    [
+        ("local", "per-layer graphs replay each layer's own forward"),
+        ("transformer_engine", "per-layer graphs replay each layer's own forward"),
+        ("full_iteration", "full_iteration waits for a GPU to capture and replay a Domino step"),
+    ],
+)
+def test_cuda_graphs_are_refused_with_what_each_waits_for(monkeypatch, impl, expected):
+    # Megatron-LM asserts the host-side NaN check off for whole-iteration graphs.
+    extra = ["--no-check-for-nan-in-loss-and-grad"] if impl == "full_iteration" else []
+    with pytest.raises(DominoUnsupportedError) as error:
+        checked(monkeypatch, *TP2_DOMINO, "--cuda-graph-impl", impl, *extra)
+    assert expected in str(error.value) and "set --cuda-graph-impl none" in str(error.value)
