@@ -49,7 +49,12 @@ from megatron_domino.config import (
     add_domino_args,
 )
 from megatron_domino.harness.patch import Patch
-from megatron_domino.refusals import config_problems, fsdp_problems, raise_problems
+from megatron_domino.refusals import (
+    TE_FUSED_NORM_UNDER_SP,
+    config_problems,
+    fsdp_problems,
+    raise_problems,
+)
 from megatron_domino.version import (
     UnsupportedMegatronVersion,
     check_megatron_core_version,
@@ -101,13 +106,15 @@ def check_args(args: argparse.Namespace) -> DominoConfig | AutoTuner | None:
     # Not in the TransformerConfig: Megatron-LM wraps the built model after the pre-wrap hook.
     fsdp = fsdp_problems(megatron_fsdp=args.use_megatron_fsdp, torch_fsdp2=args.use_torch_fsdp2)
 
+    te_layers = args.transformer_impl == "transformer_engine"
+    # Without --spec, Megatron-LM builds TE's fused norm + column linear.
+    fused_te_norms = te_layers and args.sequence_parallel and getattr(args, "spec", None) is None
+
     def refusals(config: DominoConfig) -> list[str]:
-        return config_problems(
-            transformer_config,
-            config,
-            tp_size=args.tensor_model_parallel_size,
-            te_layers=args.transformer_impl == "transformer_engine",
+        problems = config_problems(
+            transformer_config, config, tp_size=args.tensor_model_parallel_size, te_layers=te_layers
         )
+        return problems + ([TE_FUSED_NORM_UNDER_SP] if fused_te_norms else [])
 
     if args.domino_chunks == AUTO:
         raise_problems(fsdp)

@@ -40,9 +40,11 @@ class SavedInputRegather(InFlight):
       output, or an intermediate of a torch norm. Everything the call computes from its input
       before the GEMM is the same on every TP rank, so this rank's rows (a copy) gathered
       again give it back. A tensor counts as one only if it is a plain ``torch.Tensor`` of the
-      gathered input's size *and* floating dtype, contiguous, with its leading dimension over
+      gathered input's size and (floating) dtype, contiguous, with its leading dimension over
       the tokens (``[s, b/p, h]`` or ``[s*b/p, h]``), and not shaped like any parameter of the
-      called module (nor its transpose).
+      called module (nor its transpose). A torch norm's fp32 intermediate on bf16 input is
+      therefore kept whole (Transformer Engine's fused norm keeps none: its norm output has the
+      input's dtype, its statistics are ``[s*b/p]``).
 
     Everything else is kept as it is: parameters, subclassed tensors (a cached FP8 weight),
     per-token statistics ``[s*b/p]``, and whatever may be rank-specific. Transformer Engine
@@ -152,13 +154,12 @@ class SavedInputRegather(InFlight):
 
     def _per_token(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (plain, not a view of the gathered input) is provably a per-token
-        function of the gathered input (class docstring): same size and floating dtype, tokens
-        first, contiguous, and not parameter-shaped."""
+        function of the gathered input (class docstring): same size and dtype (a floating
+        one), tokens first, contiguous, and not parameter-shaped."""
         gathered = self._gathered
         s, b = gathered.shape[0], gathered.shape[1]
         return (
             tensor.dtype == gathered.dtype
-            and tensor.is_floating_point()
             and tensor.numel() == gathered.numel()
             and tensor.is_contiguous()
             and tensor.shape[0] in (s, s * b)

@@ -17,22 +17,17 @@ asynchronously, as it does for Megatron's linears:
   :func:`~megatron_domino.linears.row_projection`). The row linear's backward has
   no collective of its own once the all-gather of its output gradient (under SP) is done by
   the reduce-scatter's backward twin.
-* **Column-parallel with the fused norm** (``linear_qkv``, ``linear_fc1``), under sequence
-  parallelism: stock TE normalises this rank's sequence shard ``[s/tp, b, h]`` and all-gathers
-  the norm output. Domino launches the all-gather of the shard *before* the fused norm (per
-  chunk, in the schedule's norm op; the norm there is Megatron's ``IdentityOp``) and hands
-  TE the full sequence ``[s, b/p, h]`` (:func:`te_column_parallel_forward`). The norm works
-  per token, so every rank computes the same normalised rows. In backward TE returns this
-  rank's partial input gradient over the full sequence, and the gather's backward twin
-  reduce-scatters it: the same sum the stock path forms. The norm weights' gradients become
-  partial sums over the full sequence instead of complete sums over the shard; their sum
-  over the TP ranks, which ``finalize_model_grads`` forms for every parameter TE marks
-  ``sequence_parallel``, is the same. Stock TE keeps its input and norm output as this
-  rank's shards ``[s/tp, b, h]`` for backward and gathers the norm output again there; TE
-  called on the full sequence would keep both whole, so the call runs under
-  :func:`~megatron_domino.saved_shards.keeping_input_shards`, which keeps this rank's
-  rows of both and gathers them again in backward (in bf16/fp16; an FP8 norm output is a
-  TE tensor subclass and is kept whole).
+* **Column-parallel** (``linear_qkv``, ``linear_fc1``), under sequence parallelism: on the
+  layer with its norms apart (:mod:`megatron_domino.te_spec`; the fused
+  ``TELayerNormColumnParallelLinear`` is refused under SP, :mod:`megatron_domino.refusals`),
+  the schedule's norm op runs ``TENorm`` on this rank's shard ``[s/tp, b/p, h]`` and
+  launches the all-gather of its output, as stock TE gathers its norm output; the
+  ``TEColumnParallelLinear`` then runs on the gathered ``[s, b/p, h]`` without collectives
+  (:func:`te_column_parallel_forward`), under
+  :func:`~megatron_domino.saved_shards.keeping_input_shards`, which keeps this rank's rows of
+  its input for backward and gathers them again there. In backward TE returns this rank's
+  partial input gradient over the full sequence, and the gather's backward twin
+  reduce-scatters it: the same sum the stock path forms.
 * **Column-parallel without sequence parallelism**: the forward has no collective, and the
   backward's dX all-reduce stays TE's own, overlapped with TE's weight-gradient GEMM as in
   stock Megatron (Domino's forward is still bound, for the weight-gradient accumulation

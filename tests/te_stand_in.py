@@ -3,8 +3,8 @@
 Transformer Engine needs CUDA, so the CPU tests cannot build ``TERowParallelLinear`` or
 ``TELayerNormColumnParallelLinear``. These stand-ins reuse Megatron's local linears for the
 weights (same shapes, initialisation and TP attributes) and reproduce, in plain torch, what
-:mod:`megatron_domino.te_linears` relies on in the real ones (read from TE's source, 1.13 and
-2.x, and Megatron-Core 0.19's wrappers in ``megatron/core/extensions/transformer_engine.py``):
+:mod:`megatron_domino.te_linears` relies on in the real ones (read from TE ``v2.18``'s source
+and Megatron-Core 0.19's wrappers in ``megatron/core/extensions/transformer_engine.py``):
 
 * the collectives are chosen on every call from ``parallel_mode`` and ``sequence_parallel``:
   row: all-reduce the output (reduce-scatter under SP); column: forward copy with a backward
@@ -27,9 +27,17 @@ weights (same shapes, initialisation and TP attributes) and reproduce, in plain 
   they were passed, and whether a ``fp8_autocast`` stand-in (:data:`FP8_CONTEXT_DEPTH`) was
   open, in ``calls``.
 
-What they do not model: FP8 arithmetic, TE's fused kernels, Userbuffers, and the per-module
-quantization context 0.19's wrappers enter around each call (only with ``quant_recipe``, which
-Domino refuses).
+* under :func:`fp8_stand_in` (TE's ``fp8_autocast``), TE 2.x's FP8 weight contract
+  (:mod:`te_fp8_stand_in`): the weight cast and its cache keyed by ``is_first_microbatch``
+  (casts counted in ``fp8_casts``), an uncached FP8 weight saved as rank-specific plain
+  ``uint8`` data and transpose, the input-gradient GEMM reading the transpose, ``main_grad``
+  overwritten by a call flagged first, and ``get_dummy_wgrad``'s shared placeholder.
+
+What they do not model: FP8 casts of activations (the norm output stays in the model's dtype,
+so under FP8 the column-wise-only ``ln_out`` TE keeps is not modelled), TE's fused kernels and
+its fused norm's own saved tensors (the stand-in's norm is torch's, whose fp32 intermediates
+Domino's saved-shard rule keeps whole), Userbuffers, and the per-module quantization context
+0.19's wrappers enter around each call (only with ``quant_recipe``, which Domino refuses).
 
 :class:`StandInTEDotProductAttention` stands in for ``TEDotProductAttention`` (the TE spec's
 core attention; ``stand_in_te_layer_spec(te_attention=True)``), keeping the call contract
@@ -69,6 +77,7 @@ from te_fp8_stand_in import Fp8Linear, quantize_weight
 
 from megatron_domino.harness.norms import SequenceParallelTorchNorm
 from megatron_domino.linears import output_dtype_option
+from megatron_domino.te_spec import te_norms_apart_layer_spec
 
 #: How many fp8_autocast stand-ins are open (see ``tests/test_te_linears.py``); while one is,
 #: the linears run TE 2.x's FP8 weight contract (:mod:`te_fp8_stand_in`).
@@ -167,20 +176,23 @@ class StandInTERowParallelLinear(_TEWrapperContract, RowParallelLinear):
         return self._outputs(output)
 
 
-class StandInTELayerNormColumnParallelLinear(_TEWrapperContract, ColumnParallelLinear):
-    """``TELayerNormColumnParallelLinear``'s contract: norm fused before the column GEMM."""
+class StandInTEColumnParallelLinear(_TEWrapperContract, ColumnParallelLinear):
+    """``TEColumnParallelLinear``'s contract (no norm: the layer's own ``TENorm`` precedes it,
+    :mod:`megatron_domino.te_spec`)."""
 
     def __init__(self, input_size, output_size, *, config, bias, skip_bias_add, **kwargs):
         super().__init__(
             input_size, output_size, config=config, bias=bias, skip_bias_add=True, **kwargs
         )
         self._init_te("column", config, bias, skip_bias_add)
-        self.norm = SequenceParallelTorchNorm(config, input_size, eps=config.layernorm_epsilon)
+
+    def _normed(self, input_: torch.Tensor) -> torch.Tensor:
+        return input_
 
     def forward(self, input_: torch.Tensor):
         """``[s or s/tp, b, h]`` -> ``([s, b, n/tp], bias-or-None)``."""
         first = self._start_call()
-        normed = self.norm(input_)
+        normed = self._normed(input_)
         column = self.parallel_mode == "column"
         bias = None if self.te_return_bias or not self.use_bias else self.bias
         if FP8_CONTEXT_DEPTH[0] > 0:
@@ -207,18 +219,52 @@ class StandInTELayerNormColumnParallelLinear(_TEWrapperContract, ColumnParallelL
         return self._outputs(output)
 
 
+class StandInTELayerNormColumnParallelLinear(StandInTEColumnParallelLinear):
+    """``TELayerNormColumnParallelLinear``'s contract: norm fused before the column GEMM."""
+
+    def __init__(self, input_size, output_size, *, config, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.norm = SequenceParallelTorchNorm(config, input_size, eps=config.layernorm_epsilon)
+
+    def _normed(self, input_: torch.Tensor) -> torch.Tensor:
+        return self.norm(input_)
+
+
 class StandInTESpecProvider(LocalSpecProvider):
     """Megatron's ``TESpecProvider`` for the dense layer: the stand-in linears, norms fused
     into the column-parallel ones, and Megatron's local attention (TE's needs CUDA)."""
 
+    def __init__(self, *, te_attention: bool = False) -> None:
+        super().__init__()
+        self.te_attention = te_attention
+
+    def core_attention(self) -> type:
+        """:class:`StandInTEDotProductAttention` with ``te_attention``, else Megatron's local
+        ``DotProductAttention``."""
+        return StandInTEDotProductAttention if self.te_attention else super().core_attention()
+
     def row_parallel_linear(self) -> type:
         return StandInTERowParallelLinear
+
+    def column_parallel_linear(self) -> type:
+        return StandInTEColumnParallelLinear
+
+    def layer_norm(self, rms_norm: bool = False, for_qk: bool = False, has_residual: bool = False):
+        """``TENorm``: follows ``config.normalization``, runs under sequence parallelism and
+        marks its weights ``sequence_parallel``."""
+        return SequenceParallelTorchNorm
 
     def fuse_layernorm_and_linear(self) -> bool:
         return True
 
     def column_parallel_layer_norm_linear(self) -> type:
         return StandInTELayerNormColumnParallelLinear
+
+
+def stand_in_te_norms_apart_layer_spec(*, te_attention: bool = False) -> ModuleSpec:
+    """:func:`megatron_domino.te_spec.te_norms_apart_layer_spec` on the stand-ins: the layer
+    Domino runs on TE under ``--sequence-parallel`` (norm modules of their own)."""
+    return te_norms_apart_layer_spec(StandInTESpecProvider(te_attention=te_attention))
 
 
 def stand_in_te_layer_spec(*, te_attention: bool = False) -> ModuleSpec:
@@ -229,15 +275,13 @@ def stand_in_te_layer_spec(*, te_attention: bool = False) -> ModuleSpec:
     With ``te_attention`` the core attention is :class:`StandInTEDotProductAttention` (as in
     the TE spec), else Megatron's local ``DotProductAttention``.
     """
-    backend = StandInTESpecProvider()
+    backend = StandInTESpecProvider(te_attention=te_attention)
     attention = ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=backend.column_parallel_layer_norm_linear(),
-            core_attention=(
-                StandInTEDotProductAttention if te_attention else backend.core_attention()
-            ),
+            core_attention=backend.core_attention(),
             linear_proj=backend.row_parallel_linear(),
             q_layernorm=IdentityOp,
             k_layernorm=IdentityOp,

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from fused_wgrad_stand_in import installed
 from multiproc import run_on_ranks
-from te_stand_in import stand_in_te_layer_spec
+from te_stand_in import stand_in_te_norms_apart_layer_spec
 from tiny_models import PRODUCTION_DEFAULTS, TINY
 
 from megatron_domino.analysis.equivalence import (
@@ -316,7 +316,7 @@ def _train(ddp, options: GPTOptions) -> list[dict]:
 
 
 def _production_defaults() -> dict:
-    spec = stand_in_te_layer_spec()
+    spec = stand_in_te_norms_apart_layer_spec()  # the TE layer Domino runs under SP
     with installed() as calls:
         models = [build_gpt_model(OPTIONS, spec=spec) for _ in range(2)]
         models[1].load_state_dict(models[0].state_dict())

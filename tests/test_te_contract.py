@@ -26,7 +26,12 @@ import torch
 import torch.distributed as dist
 from fused_wgrad_stand_in import installed as fused_wgrad_installed
 from multiproc import run_on_ranks
-from te_stand_in import fp8_stand_in, stand_in_linears, stand_in_te_layer_spec
+from te_stand_in import (
+    fp8_stand_in,
+    stand_in_linears,
+    stand_in_te_layer_spec,
+    stand_in_te_norms_apart_layer_spec,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_domino.analysis.equivalence import (
@@ -180,7 +185,8 @@ def _fused_step(model, batch, weights) -> dict:
 def _te_contract(sequence_parallel: bool, setting_name: str) -> dict:
     """Stock against Domino on the TE stand-ins under FP8, at the coincident shape."""
     options = _options(sequence_parallel)
-    model = build_gpt_model(options, spec=stand_in_te_layer_spec())
+    spec = stand_in_te_norms_apart_layer_spec if sequence_parallel else stand_in_te_layer_spec
+    model = build_gpt_model(options, spec=spec())
     batch = token_batch(options, MICRO_BATCH)
     config = named_setting(setting_name).config
     tolerance = tolerance_for(options)

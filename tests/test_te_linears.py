@@ -25,7 +25,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from multiproc import run_on_ranks
-from te_stand_in import FP8_CONTEXT_DEPTH, stand_in_linears, stand_in_te_layer_spec
+from te_stand_in import (
+    FP8_CONTEXT_DEPTH,
+    stand_in_linears,
+    stand_in_te_layer_spec,
+    stand_in_te_norms_apart_layer_spec,
+)
 from tiny_models import LLAMA_STYLE
 
 import megatron_domino.block
@@ -66,6 +71,9 @@ def _options(sequence_parallel: bool, **changes) -> GPTOptions:
 
 
 def _build(options: GPTOptions) -> torch.nn.Module:
+    """The TE layer Domino runs: under SP with its norms apart (fused, it is refused)."""
+    if options.sequence_parallel:
+        return build_gpt_model(options, spec=stand_in_te_norms_apart_layer_spec())
     return build_gpt_model(options, spec=stand_in_te_layer_spec())
 
 
@@ -200,6 +208,21 @@ def test_fp8_context_wraps_all_chunks_once():
     entered, in_context = run_on_ranks(_fp8_context_use, 2)[0]
     assert entered == 1
     assert in_context == {True}
+
+
+def _fused_norm_refusal() -> str:
+    model = build_gpt_model(_options(True), spec=stand_in_te_layer_spec())
+    with pytest.raises(DominoUnsupportedError) as error:
+        apply_domino(model, DominoConfig(chunks=2))
+    return str(error.value)
+
+
+def test_fused_norms_are_refused_under_sequence_parallelism():
+    """TE's fused norm + column linear under SP would make Domino gather the pre-norm residual
+    (the norm run tp times, the whole chunk kept for backward): refused, naming the spec that
+    builds the norms apart."""
+    message = run_on_ranks(_fused_norm_refusal, 2)[0]
+    assert "--spec megatron_domino.te_spec te_norms_apart_block_spec" in message, message
 
 
 def _refusal(sequence_parallel: bool, settings: dict, model_changes: dict) -> str:

@@ -29,6 +29,7 @@ from te_stand_in import (
     attention_context,
     stand_in_attentions,
     stand_in_te_layer_spec,
+    stand_in_te_norms_apart_layer_spec,
     te_attention_probs,
 )
 from tiny_models import LLAMA_STYLE
@@ -58,7 +59,8 @@ def _compare() -> dict:
     found = {"revert": []}
     for sequence_parallel in (True, False):
         options = GPTOptions(num_layers=LAYERS, **LLAMA_STYLE, sequence_parallel=sequence_parallel)
-        model = build_gpt_model(options, spec=stand_in_te_layer_spec(te_attention=True))
+        spec = stand_in_te_norms_apart_layer_spec if sequence_parallel else stand_in_te_layer_spec
+        model = build_gpt_model(options, spec=spec(te_attention=True))
         attentions = stand_in_attentions(model)
         batch = token_batch(options, 1)
         reference = forward_backward(model, batch, finalize_sequence_parallel=True)

@@ -1,0 +1,132 @@
+"""Transformer Engine's dense GPT layer with its norms apart: Domino's TE layer under ``--sequence-parallel``.
+
+Megatron-Core's TE layer spec fuses each pre-linear norm into the column-parallel linear
+(``TELayerNormColumnParallelLinear``). Under sequence parallelism stock TE then normalises this
+rank's shard ``[s/tp, b, h]`` and all-gathers the *norm output* (FP8 bytes under delayed
+scaling), keeping the shard for backward (TE ``module/layernorm_linear.py:283-301``). Domino
+gathers ahead of the call, behind another chunk's work, so on the fused module it can only
+gather the *pre-norm* residual and hand the norm the whole sequence: the norm runs ``tp`` times
+redundantly, and its backward re-gathers what the fused module keeps of the whole chunk.
+
+This spec builds the same layer with the norm a module of its own (Megatron-Core's ``TENorm``,
+from the backend's ``layer_norm``) and a ``TEColumnParallelLinear``: Domino's norm op then
+normalises the shard and gathers the norm output, exactly as for Megatron's local layers, and
+the linear keeps the gathered input's shard (:mod:`megatron_domino.saved_shards`). The
+parameters are the fused layer's, under other names; ``sharded_state_dict_keys_map`` maps them
+to the fused layer's checkpoint keys (``input_layernorm.`` is
+``self_attention.linear_qkv.layer_norm_``, as Megatron-Core's own local spec maps it), so
+``torch_dist`` checkpoints load either way.
+
+Use it from Megatron-LM with ``--spec megatron_domino.te_spec te_norms_apart_block_spec``.
+FP8: the norm output is gathered in the model's dtype (stock TE gathers it in FP8 under
+delayed scaling), which is twice the all-gather bytes of stock's under FP8.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+__all__ = ["te_norms_apart_block_spec", "te_norms_apart_layer_spec"]
+
+#: This layer's parameter names -> the fused TE layer's (checkpoint keys).
+FUSED_KEYS = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+
+
+def _te_backend():
+    from megatron.core.models.gpt.gpt_layer_specs import TESpecProvider
+
+    if TESpecProvider is None:
+        raise ImportError(
+            "megatron_domino.te_spec builds Transformer Engine layers, and Transformer Engine "
+            "does not import here; install it (pip install 'megatron-domino[gpu]') or use "
+            "--transformer-impl local."
+        )
+    return TESpecProvider()
+
+
+def te_norms_apart_layer_spec(backend=None) -> ModuleSpec:
+    """The dense layer of Megatron-Core's TE spec, its two norms as modules of their own.
+
+    Args:
+        backend: a Megatron-Core ``BackendSpecProvider`` (default: ``TESpecProvider``; the
+            tests pass the CPU stand-ins'). Its ``fuse_layernorm_and_linear`` is overridden.
+    """
+    backend = backend or _te_backend()
+    apart = copy.copy(backend)
+    apart.__class__ = type(
+        f"{type(backend).__name__}NormsApart",
+        (type(backend),),
+        {"fuse_layernorm_and_linear": lambda self: False},
+    )
+    attention = ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=apart.column_parallel_linear(),
+            core_attention=apart.core_attention(),
+            linear_proj=apart.row_parallel_linear(),
+            q_layernorm=IdentityOp,
+            k_layernorm=IdentityOp,
+        ),
+    )
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=apart.layer_norm(),
+            self_attention=attention,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=apart.layer_norm(),
+            mlp=get_mlp_module_spec_for_backend(backend=apart),
+            mlp_bda=get_bias_dropout_add,
+            sharded_state_dict_keys_map=dict(FUSED_KEYS),
+        ),
+    )
+
+
+def te_norms_apart_block_spec(config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """For ``--spec megatron_domino.te_spec te_norms_apart_block_spec``: this pipeline stage's
+    block of :func:`te_norms_apart_layer_spec` layers and TE's final norm.
+
+    Args:
+        config: Megatron-LM's ``GPTModelConfig`` (its ``transformer`` is the
+            ``TransformerConfig``).
+        vp_stage: the virtual pipeline stage being built, or ``None``.
+    Raises:
+        ValueError: a layer feature this dense spec does not build was asked for.
+    """
+    transformer = config.transformer
+    refused = [
+        flag
+        for name, flag in (
+            ("qk_layernorm", "--qk-layernorm"),
+            ("num_moe_experts", "--num-experts"),
+            ("multi_latent_attention", "--multi-latent-attention"),
+        )
+        if getattr(transformer, name, None)
+    ]
+    if refused:
+        raise ValueError(
+            "--spec megatron_domino.te_spec te_norms_apart_block_spec builds the dense layer "
+            f"only; drop {', '.join(refused)}."
+        )
+    backend = _te_backend()
+    return TransformerBlockSubmodules(
+        layer_specs=[te_norms_apart_layer_spec(backend)]
+        * get_num_layers_to_build(transformer, vp_stage=vp_stage),
+        layer_norm=backend.layer_norm(),
+    )
