@@ -300,7 +300,23 @@ def test_an_older_transformer_engine_is_refused_at_argument_time(monkeypatch):
     assert "--transformer-impl local" in message
     checked(monkeypatch, *TP2_DOMINO)
     _installed_te(monkeypatch, "2.18.0")
-    checked(monkeypatch, *TE_DOMINO, "--sequence-parallel")
+    checked(monkeypatch, *TE_DOMINO, "--sequence-parallel", *TE_NORMS_APART)
+
+
+#: The spec Domino needs for Transformer Engine layers under sequence parallelism.
+TE_NORMS_APART = ["--spec", "megatron_domino.te_spec", "te_norms_apart_block_spec"]
+
+
+def test_fused_te_norms_are_refused_under_sequence_parallelism_at_argument_time(monkeypatch):
+    """Without --spec Megatron-LM builds TE's fused norm + column linear, on which Domino under
+    SP could only gather the pre-norm residual: refused when the flags are checked, naming
+    the spec; without SP (no gather) or with the spec, accepted."""
+    _installed_te(monkeypatch, "2.18.0")
+    with pytest.raises(DominoUnsupportedError) as error:
+        checked(monkeypatch, *TE_DOMINO, "--sequence-parallel")
+    assert "--spec megatron_domino.te_spec te_norms_apart_block_spec" in str(error.value)
+    checked(monkeypatch, *TE_DOMINO, "--sequence-parallel", *TE_NORMS_APART)
+    checked(monkeypatch, *TE_DOMINO, "--no-domino-backward-overlap")
 
 
 @pytest.mark.parametrize(
