@@ -337,6 +337,14 @@ def plot_seeds(path: Path, result: dict) -> Path | None:
     return save(fig, path)
 
 
+def write_results(output_dir: Path, result: dict, draw) -> None:
+    """``loss_parity.json`` and the plot ``draw(path, result)`` makes; say where they went."""
+    json_path = output_dir / "loss_parity.json"
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    png = draw(output_dir / "loss_parity.png", result)
+    print(f"[loss-parity] wrote {json_path}" + (f" and {png}" if png else ""))
+
+
 def _seeds_main(args: argparse.Namespace, training_flags: list[str], domino_flags: list[str]):
     """``--dropout-seeds``: every seed through both arms; the band comparison and its status."""
     output_dir: Path = args.output_dir
@@ -359,9 +367,6 @@ def _seeds_main(args: argparse.Namespace, training_flags: list[str], domino_flag
         "commands": commands,
         "provenance": provenance(),
     }
-    json_path = output_dir / "loss_parity.json"
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    png = plot_seeds(output_dir / "loss_parity.png", result)
     print(
         f"[loss-parity] dropout on, {result['seeds']} seeds per arm, "
         f"{len(result['iteration'])} iterations: Domino's mean curve inside the stock seeds' "
@@ -370,7 +375,7 @@ def _seeds_main(args: argparse.Namespace, training_flags: list[str], domino_flag
         f"{result['median_baseline_band_width']:.3e}); iteration 1 differs per seed by "
         + ", ".join(f"{d:.1e}" for d in result["first_iteration_paired_abs_diff"])
     )
-    print(f"[loss-parity] wrote {json_path}" + (f" and {png}" if png else ""))
+    write_results(output_dir, result, plot_seeds)
     if not result["within_spread"]:
         print(
             "[loss-parity] FAILED: the means drift apart by more than the stock seeds' spread",
@@ -439,16 +444,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     within = args.tolerance is None or result["max_abs_diff"] <= args.tolerance
     result["within_tolerance"] = None if args.tolerance is None else within
-    json_path = output_dir / "loss_parity.json"
-    json_path.write_text(json.dumps(result, indent=2) + "\n")
-    png = plot(output_dir / "loss_parity.png", result)
     print(
         f"[loss-parity] {len(result['curves']['iteration'])} iterations: max |loss difference| "
         f"{result['max_abs_diff']:.3e} at iteration {result['max_abs_diff_iteration']} "
         f"(relative {result['max_rel_diff']:.2e}); final loss baseline "
         f"{result['curves']['baseline'][-1]:.6f}, Domino {result['curves']['domino'][-1]:.6f}"
     )
-    print(f"[loss-parity] wrote {json_path}" + (f" and {png}" if png else ""))
+    write_results(output_dir, result, plot)
     if not within:
         print(
             f"[loss-parity] FAILED: {result['max_abs_diff']:.3e} > --tolerance "
