@@ -12,6 +12,7 @@ from megatron.training import arguments as megatron_arguments
 
 from megatron_domino.training import pretrain as entry
 from megatron_domino.training.domino_ab import DOMINO, STOCK, DominoAB
+from megatron_domino.training.domino_report import DominoOverlapReport
 from megatron_domino.training.runs import read_records
 
 
@@ -44,6 +45,16 @@ def test_the_line_says_ratio_verdict_medians_and_waits():
     )
     with pytest.raises(RuntimeError, match="has not run every step"):
         DominoAB("p2", 1).line()
+
+
+def test_the_report_ends_against_stock_or_says_it_was_not_timed():
+    ab = DominoAB("p2", 1)
+    for seconds in (1.0, 1.0, 0.5, 0.4):
+        ab.record(seconds, 0.01)
+    with_ab = DominoOverlapReport(lambda: [], 1, against_stock=ab).against_stock_line()
+    assert with_ab == f"[domino-report] against stock (--domino-ab, this run): {ab.line()}"
+    without = DominoOverlapReport(lambda: [], 1).against_stock_line()
+    assert "not timed in this run" in without and "add --domino-ab N" in without
 
 
 BASE = (

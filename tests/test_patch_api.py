@@ -103,13 +103,17 @@ def test_loop_flags_are_checked_through_the_patch(flags, message, monkeypatch, c
 
 
 def test_attach_adds_the_hook_and_the_loop_hooks(monkeypatch):
-    args = _parse(monkeypatch, "--domino", "--domino-ab", "2", "--log-json", "x.jsonl")
+    args = _parse(monkeypatch, "--domino", "--domino-ab", "2", "--log-json", "x.jsonl",
+                  "--domino-report", "--domino-report-iters", "1")  # fmt: skip
     model_config = SimpleNamespace(pre_wrap_hooks=[])
     original = megatron_training.train_step
     hook = megatron_lm.attach(model_config, args)
     try:
         assert model_config.pre_wrap_hooks == [hook]
-        assert megatron_training.train_step.__self__._domino_ab.setting == "p2"
+        hooks = megatron_training.train_step.__self__
+        assert hooks._domino_ab.setting == "p2" and hooks._domino_hook is hook
+        # The report, after the A/B, ends with the A/B's numbers against stock.
+        assert hooks._domino_report._against_stock is hooks._domino_ab
     finally:
         hook.loop_patches.close()
     assert megatron_training.train_step is original
