@@ -206,6 +206,10 @@ def _te_contract(sequence_parallel: bool, setting_name: str) -> dict:
     results["stock"] = _fused_step(model, batch, weights)
     with apply_domino(model, config):
         results["domino"] = _fused_step(model, batch, weights)
+    if sequence_parallel:  # the checkpoint keys of the norms-apart layer's tensors
+        results["checkpoint_keys"] = sorted(
+            value.key for value in model.sharded_state_dict().values() if hasattr(value, "key")
+        )
     return results
 
 
@@ -277,3 +281,17 @@ def test_no_placeholder_gradients_summed_on_local_linears(sequence_parallel):
     stock, domino = run_on_ranks(_local_placeholder_adds, 2, args=(sequence_parallel,))[0]
     assert stock == 0
     assert domino == 0
+
+
+def test_norms_apart_layer_checkpoints_like_the_fused_one(te_contract):
+    """``te_spec``'s layer (TENorm + TEColumnParallelLinear) stores its norm weights under the
+    fused TE layer's ``torch_dist`` keys (``linear_qkv.layer_norm_weight``, ...), so either
+    form loads the other's checkpoints. (The fused stand-in names its norm otherwise than TE,
+    so the expected names are TE's own.)"""
+    sequence_parallel, results = te_contract
+    if not sequence_parallel:
+        pytest.skip("the norms-apart layer is the SP form")
+    keys = results["checkpoint_keys"]
+    assert not [key for key in keys if "input_layernorm" in key or "pre_mlp_layernorm" in key]
+    for fused_name in ("self_attention.linear_qkv.layer_norm_", "mlp.linear_fc1.layer_norm_"):
+        assert f"decoder.layers.{fused_name}weight" in keys, keys
