@@ -7,12 +7,14 @@ from __future__ import annotations
 import contextlib
 from types import SimpleNamespace
 
+import megatron.training
 import pytest
 import torch
 
 from megatron_domino.config import DominoConfig
 from megatron_domino.training import loop_hooks
 from megatron_domino.training.domino_ab import DominoAB
+from megatron_domino.training.domino_report import DominoOverlapReport
 from megatron_domino.training.runs import read_records
 
 OPTIMIZER = SimpleNamespace(param_groups=[{"lr": 1e-3}])
@@ -37,6 +39,7 @@ class _FakeHook:
 
 @pytest.fixture
 def single_rank(monkeypatch):
+    monkeypatch.setattr(megatron.training, "get_args", lambda: SimpleNamespace(train_iters=8))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
     monkeypatch.setattr(loop_hooks, "_slowest", lambda *values: list(values))
@@ -45,9 +48,9 @@ def single_rank(monkeypatch):
     return syncs
 
 
-def _run(hooks: loop_hooks.LoopHooks, steps: int) -> None:
+def _run(hooks: loop_hooks.LoopHooks, steps: int, first: int = 0) -> None:
     hooks._train_step = lambda *args, **kwargs: _step_result()
-    for iteration in range(steps):
+    for iteration in range(first, first + steps):
         hooks.train_step(None, None, None, OPTIMIZER, iteration=iteration)
 
 
@@ -70,3 +73,15 @@ def test_domino_ab_switches_between_steps_and_says_the_answer(single_rank, tmp_p
     assert record["iteration"] == 6 and record["stock_tp_wait_s"] == 0.01
     assert capsys.readouterr().out.count("Domino p2: ") == 1
     assert len(read_records(log, "train")) == 8
+
+
+def test_a_resumed_run_too_short_for_the_ab_says_so_and_trains_on(single_rank, capsys):
+    hook = _FakeHook()
+    report = DominoOverlapReport(lambda: [], 1, against_stock=DominoAB("p2", 2))
+    hooks = loop_hooks.LoopHooks(None, report, hook, report._against_stock)
+    _run(hooks, 4, first=4)  # resumed at iteration 4 of 8: 4 left, 6 needed
+    assert hook.switches == [] and hooks._domino_ab is None
+    out = capsys.readouterr().out
+    assert "Domino A/B not run: --domino-ab needs 6 iterations and this run (resumed at " in out
+    # The report still runs, and says no stock reference was timed.
+    assert "[domino-report] against stock: not timed in this run." in out

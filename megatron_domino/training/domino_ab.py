@@ -64,8 +64,18 @@ class DominoAB:
         return 2 * iterations + 2
 
     @property
+    def steps_needed_total(self) -> int:
+        """This comparison's :meth:`steps_needed`."""
+        return self.steps_needed(self._iterations)
+
+    @property
+    def steps_left(self) -> int:
+        """Steps still to run (warm-ups included)."""
+        return max(self.steps_needed_total - self._steps, 0)
+
+    @property
     def done(self) -> bool:
-        return self._steps >= self.steps_needed(self._iterations)
+        return self._steps >= self.steps_needed_total
 
     def _arm(self, index: int) -> str:
         if index >= self.steps_needed(self._iterations):

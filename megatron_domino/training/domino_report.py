@@ -99,7 +99,7 @@ class DominoOverlapReport:
             return
         spans = collective_spans(recorder.events())
         clock = "CUDA events" if recorder.use_cuda_events else "wall clock"
-        ab = self._against_stock
+        ab = self._against_stock if self._against_stock and self._against_stock.done else None
         write(
             {
                 "kind": "domino_report",
@@ -115,8 +115,9 @@ class DominoOverlapReport:
             print("\n".join([*lines, self.against_stock_line()]), flush=True)
 
     def against_stock_line(self) -> str:
-        """The report's last line: how the run compares with stock, or that it was not timed."""
-        if self._against_stock is None:
+        """The report's last line: how the run compares with stock, or that it was not timed
+        (no ``--domino-ab``, or a resumed run too short for it)."""
+        if self._against_stock is None or not self._against_stock.done:
             return (
                 "[domino-report] against stock: not timed in this run. The hidden share above "
                 "is of Domino's own collectives, not a speed-up (the chunks cost time too): "

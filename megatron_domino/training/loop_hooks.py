@@ -218,6 +218,8 @@ class LoopHooks:
         learning_rate = optimizer.param_groups[0]["lr"]  # the one this step applies
         tuning = self._domino_hook is not None and self._domino_hook.tuning
         comparing = self._domino_ab is not None and not self._domino_ab.done
+        if comparing and self._domino_ab.steps_left == self._domino_ab.steps_needed_total:
+            comparing = self._comparison_fits(iteration)
         report = self._domino_report if not (tuning or comparing) else None
         timed = self._log_json is not None or tuning or comparing
         with contextlib.ExitStack() as around:
@@ -261,6 +263,25 @@ class LoopHooks:
             if torch.distributed.get_rank() == 0:
                 print(hook.tuner.summary(), flush=True)
             self.write({"kind": "domino_auto", "iteration": step, **hook.tuner.record_dict()})
+
+    def _comparison_fits(self, iteration: int) -> bool:
+        """At the first step: whether the run has the steps ``--domino-ab`` needs left (a
+        resumed run may not; argument time checked ``--train-iters`` from iteration 0).
+        If not, say so on rank 0 and drop the comparison; the run trains on with Domino."""
+        from megatron.training import get_args
+
+        left = get_args().train_iters - iteration
+        if left >= self._domino_ab.steps_left:
+            return True
+        if torch.distributed.get_rank() == 0:
+            print(
+                f"Domino A/B not run: --domino-ab needs {self._domino_ab.steps_left} "
+                f"iterations and this run (resumed at iteration {iteration}) has {left} left; "
+                "raise --train-iters to compare.",
+                flush=True,
+            )
+        self._domino_ab = None
+        return False
 
     def _compare(self, step: int, seconds: float) -> None:
         """Feed the step (slowest rank's time, most-blocked rank's TP wait) to the A/B;
