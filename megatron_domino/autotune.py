@@ -25,7 +25,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_domino.config import AUTO, DominoConfig
+from megatron_domino.config import AUTO, DominoConfig, DominoConfigError
 
 __all__ = ["AUTO", "AutoTuner", "NoCandidateError", "candidate_configs", "setting_name"]
 
@@ -41,8 +41,10 @@ _CANDIDATES = (
 )
 
 
-class NoCandidateError(ValueError):
-    """No Domino setting can run this model; the message gives each candidate's reason."""
+class NoCandidateError(DominoConfigError):
+    """No Domino setting can run this model; the message gives each candidate's reason (a
+    :class:`~megatron_domino.config.DominoConfigError`, so both entry points refuse it in one
+    message like any other bad setting)."""
 
 
 def setting_name(config: DominoConfig) -> str:

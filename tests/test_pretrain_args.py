@@ -355,3 +355,17 @@ def test_cuda_graphs_are_refused_with_what_each_waits_for(monkeypatch, impl, exp
     with pytest.raises(DominoUnsupportedError) as error:
         checked(monkeypatch, *TP2_DOMINO, "--cuda-graph-impl", impl, *extra)
     assert expected in str(error.value) and "set --cuda-graph-impl none" in str(error.value)
+
+
+def test_no_auto_candidate_is_refused_in_one_message(monkeypatch, capsys):
+    """``main()`` as a rank runs it, up to the checks: exit 2, the reasons on rank 0."""
+    argv = [*BASE, *TP2_DOMINO, "--domino-chunks", "auto", "--cuda-graph-impl", "local"]
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt_domino.py", *argv])
+    for name, value in (("WORLD_SIZE", "2"), ("RANK", "0"), ("CUDA_DEVICE_MAX_CONNECTIONS", "1")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)
+    with pytest.raises(SystemExit) as stop:
+        entry.main()
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "pretrain_gpt_domino.py: error: --domino-chunks auto found no Domino setting" in err
