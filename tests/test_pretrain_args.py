@@ -180,8 +180,8 @@ def test_supported_combinations_pass(monkeypatch):
         [*TP2_DOMINO, "--domino-split", "sequence", "--micro-batch-size", "1"],
         [*TP2_DOMINO, *SEQUENCE_SPLIT_MB1, "--sequence-parallel"],
         # Megatron-LM's defaults for its largest models: TE layers, SP, micro-batch 1.
-        [*TE_DOMINO, *SEQUENCE_SPLIT_MB1, "--sequence-parallel"],
-        [*TE_DOMINO, "--sequence-parallel", "--fp8-format", "hybrid"],
+        [*TE_DOMINO, *SEQUENCE_SPLIT_MB1, "--sequence-parallel", *TE_NORMS_APART],
+        [*TE_DOMINO, "--sequence-parallel", "--fp8-format", "hybrid", *TE_NORMS_APART],
         [*TP2_DOMINO, "--recompute-activations", "--domino-report"],
     ):
         args = checked(monkeypatch, *extra)
