@@ -142,17 +142,10 @@ def _table(rows: list[dict]) -> str:
 def run_part(device: str, quick: bool, budget_s: float) -> PartResult:
     """The part, as the check's parent runs it (two ranks on the GPU within ``budget_s``)."""
     del quick  # two tiny settings either way
-    from megatron_domino.tools.gpu_check.parts import run_part_ranks
+    from megatron_domino.tools.gpu_check.parts import _skipped, run_part_ranks
 
     if device != "cuda":
-        return PartResult(
-            name="capture",
-            title=TITLE,
-            status="skipped",
-            summary="",
-            reason=NEEDS_CUDA,
-            budget_s=budget_s,
-        )
+        return _skipped("capture", TITLE, NEEDS_CUDA, budget_s)
     start = time.monotonic()
     per_rank, failed_part = run_part_ranks(
         "megatron_domino.tools.gpu_check.check_capture:capture_rank",
