@@ -20,9 +20,9 @@ changes), the learning rates exactly:
   from there: iterations 3 and 4 must equal the uninterrupted arm's bit for bit (both model
   chunks' weights, the optimizer and the schedule come back, and Domino is applied again).
 
-Kept lean: 5 launches of 4 ranks, 4 iterations each (measured on two shared cores: 1.5 min
-for ``vp-batch``, 1.5-3.9 min for ``vp-sp-sequence`` depending on the load); one launch per
-arm is the minimum (a second ``init_process_group`` in the same workers hangs).
+Kept lean: 5 launches of 4 ranks, 4 iterations each (measured on two shared cores: about
+1.5 min for ``vp-batch``, 3.9 min for ``vp-sp-sequence`` at a load average of 22); one launch
+per arm is the minimum (a second ``init_process_group`` in the same workers hangs).
 """
 
 from __future__ import annotations
