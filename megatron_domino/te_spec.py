@@ -38,7 +38,7 @@ from megatron.core.transformer.transformer_block import (
 )
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-__all__ = ["te_norms_apart_block_spec", "te_norms_apart_layer_spec"]
+__all__ = ["self_attention_spec", "te_norms_apart_block_spec", "te_norms_apart_layer_spec"]
 
 #: This layer's parameter names -> the fused TE layer's (checkpoint keys).
 FUSED_KEYS = {
@@ -59,6 +59,22 @@ def _te_backend():
     return TESpecProvider()
 
 
+def self_attention_spec(backend, linear_qkv: type) -> ModuleSpec:
+    """The dense TE layer's causal self-attention from ``backend``, with ``linear_qkv`` (fused
+    norm + column linear, or the column linear alone)."""
+    return ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=linear_qkv,
+            core_attention=backend.core_attention(),
+            linear_proj=backend.row_parallel_linear(),
+            q_layernorm=IdentityOp,
+            k_layernorm=IdentityOp,
+        ),
+    )
+
+
 def te_norms_apart_layer_spec(backend=None) -> ModuleSpec:
     """The dense layer of Megatron-Core's TE spec, its two norms as modules of their own.
 
@@ -73,17 +89,7 @@ def te_norms_apart_layer_spec(backend=None) -> ModuleSpec:
         (type(backend),),
         {"fuse_layernorm_and_linear": lambda self: False},
     )
-    attention = ModuleSpec(
-        module=SelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal},
-        submodules=SelfAttentionSubmodules(
-            linear_qkv=apart.column_parallel_linear(),
-            core_attention=apart.core_attention(),
-            linear_proj=apart.row_parallel_linear(),
-            q_layernorm=IdentityOp,
-            k_layernorm=IdentityOp,
-        ),
-    )
+    attention = self_attention_spec(apart, apart.column_parallel_linear())
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(

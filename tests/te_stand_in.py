@@ -68,7 +68,6 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -77,7 +76,7 @@ from te_fp8_stand_in import Fp8Linear, quantize_weight
 
 from megatron_domino.harness.norms import SequenceParallelTorchNorm
 from megatron_domino.linears import output_dtype_option
-from megatron_domino.te_spec import te_norms_apart_layer_spec
+from megatron_domino.te_spec import self_attention_spec, te_norms_apart_layer_spec
 
 #: How many fp8_autocast stand-ins are open (see ``tests/test_te_linears.py``); while one is,
 #: the linears run TE 2.x's FP8 weight contract (:mod:`te_fp8_stand_in`).
@@ -276,17 +275,7 @@ def stand_in_te_layer_spec(*, te_attention: bool = False) -> ModuleSpec:
     the TE spec), else Megatron's local ``DotProductAttention``.
     """
     backend = StandInTESpecProvider(te_attention=te_attention)
-    attention = ModuleSpec(
-        module=SelfAttention,
-        params={"attn_mask_type": AttnMaskType.causal},
-        submodules=SelfAttentionSubmodules(
-            linear_qkv=backend.column_parallel_layer_norm_linear(),
-            core_attention=backend.core_attention(),
-            linear_proj=backend.row_parallel_linear(),
-            q_layernorm=IdentityOp,
-            k_layernorm=IdentityOp,
-        ),
-    )
+    attention = self_attention_spec(backend, backend.column_parallel_layer_norm_linear())
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(

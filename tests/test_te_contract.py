@@ -206,10 +206,10 @@ def _te_contract(sequence_parallel: bool, setting_name: str) -> dict:
     results["stock"] = _fused_step(model, batch, weights)
     with apply_domino(model, config):
         results["domino"] = _fused_step(model, batch, weights)
-    if sequence_parallel:  # the checkpoint keys of the norms-apart layer's tensors
-        results["checkpoint_keys"] = sorted(
-            value.key for value in model.sharded_state_dict().values() if hasattr(value, "key")
-        )
+    apart = build_gpt_model(options, spec=stand_in_te_norms_apart_layer_spec())
+    results["checkpoint_keys"] = sorted(
+        value.key for value in apart.sharded_state_dict().values() if hasattr(value, "key")
+    )
     return results
 
 
@@ -288,9 +288,7 @@ def test_norms_apart_layer_checkpoints_like_the_fused_one(te_contract):
     fused TE layer's ``torch_dist`` keys (``linear_qkv.layer_norm_weight``, ...), so either
     form loads the other's checkpoints. (The fused stand-in names its norm otherwise than TE,
     so the expected names are TE's own.)"""
-    sequence_parallel, results = te_contract
-    if not sequence_parallel:
-        pytest.skip("the norms-apart layer is the SP form")
+    _, results = te_contract
     keys = results["checkpoint_keys"]
     assert not [key for key in keys if "input_layernorm" in key or "pre_mlp_layernorm" in key]
     for fused_name in ("self_attention.linear_qkv.layer_norm_", "mlp.linear_fc1.layer_norm_"):
