@@ -50,14 +50,15 @@ def _weight_edge(node, weight: torch.Tensor):
 
 def drop_placeholder_gradient(output: torch.Tensor, weight: torch.Tensor) -> None:
     """In backward, drop the placeholder gradient the call that made ``output`` returns for
-    ``weight`` (see the module docstring); a no-op when nothing will flow to ``weight``.
+    ``weight`` (see the module docstring); a no-op (no graph search on the host's per-chunk
+    path) when nothing will flow to ``weight`` or it has no ``main_grad`` to accumulate into.
 
     Raises:
         RuntimeError: ``weight`` takes gradients but no autograd node near ``output`` leads to
             it (a module structure Domino does not know).
     """
-    if output.grad_fn is None or not weight.requires_grad:
-        return
+    if output.grad_fn is None or not weight.requires_grad or not hasattr(weight, "main_grad"):
+        return  # no main_grad, no fused accumulation: the call returns a real dW
     node, index = _weight_edge(output.grad_fn, weight)
     if node is None:
         raise RuntimeError(
