@@ -1,7 +1,8 @@
 """The benchmark pipeline on a tiny model: worker arms, derived metrics, JSON, table, plots.
 
-This checks the plumbing and the fields of ``latest.json``; it measures nothing (plain
-loopback, one iteration): speed claims come from ``make bench`` runs, not from tests.
+This checks the plumbing and the fields of ``latest.json``; it measures nothing (the emulated
+link at a fast rate, two iterations): speed claims come from ``make bench`` runs, not from
+tests.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ CASE = {
     "micro_batch_size": 4,
     "model": dict(num_layers=2, **TINY, num_attention_heads=4),
     "domino": {name: setting(name).fields for name in ("p2", "p1-k2")},
+    "link": {"kind": "emulated", "mbit": 2000.0},
 }
 
 
@@ -63,12 +65,18 @@ def test_worker_metrics_and_artefacts(tmp_path):
         )
         assert row["comm_only_fwd_s"] > 0 and row["comm_only_bwd_s"] > 0
         assert 0 < row["comm_only_cpu_fwd_s"] and 0 < row["comm_only_cpu_bwd_s"]
+    # Every arm's TP collectives went through the emulated link (none on gloo), at a cost.
+    stats = result["link_stats"]
+    assert stats["collectives"] > sum(
+        calls[phase]["count"] for calls in result["collectives"].values() for phase in calls
+    )
+    assert stats["wire_s"] > 0 and stats["cpu_s"] > 0
     # Chunking keeps the same activations: the saved-for-backward bytes barely move.
     assert 0.9 < rows[0]["peak_mem_ratio"] < 1.2
 
     case = {
         "name": "tiny",
-        "link_mbit": None,
+        "link_mbit": 2000.0,
         **CASE,
         "arms": result["arms"],
         "rows": rows,
@@ -77,11 +85,13 @@ def test_worker_metrics_and_artefacts(tmp_path):
         "collectives": result["collectives"],
         "comm_only_cpu_s": result["comm_only_cpu_s"],
         "auto": auto,
+        "link_stats": result["link_stats"],
     }
     written = write_artefacts(tmp_path, {"commit": "test", "cases": [case]})
     latest = json.loads((tmp_path / "latest.json").read_text())
     assert latest["cases"][0]["rows"][0]["setting"] == "p2"
     table = (tmp_path / "table.md").read_text()
-    assert "| tiny | p2 | 2 | 2 | 1 | plain loopback |" in table
+    assert "| tiny | p2 | 2 | 2 | 1 | 2000 |" in table
+    assert f"tiny: emulated link served {result['link_stats']['collectives']} collectives" in table
     assert f"| tiny | {auto['choice']} | {auto['fastest']} | {auto['ratio']:.3f} |" in table
     assert all(path.exists() for path in written)

@@ -6,12 +6,20 @@ the baseline, the oracle (no TP communication), for each setting Domino and Domi
 no-op collectives, and for the baseline and each setting the comm-only arm (the same
 collectives with no compute, the physical bound); then writes ``latest.json``, ``table.md`` and plots to ``--out-dir``.
 
-It runs inside a private network namespace whose loopback is rate-limited, so communication
-is wire-bound as on a real interconnect (see :mod:`megatron_domino.tools.bench.link`). Unless
-``--link-mbit`` is given, a short baseline/oracle run per case picks the rate that puts the
-baseline's communication share near ``--target-comm-share`` (35 %, inside the 25-45 %
+Two links (``--link``):
+
+* ``shaped`` (default): gloo inside a private network namespace whose loopback is
+  rate-limited, so communication is wire-bound (:mod:`megatron_domino.tools.bench.link`);
+  the kernel's TCP and the shaper still run on the cores the GEMMs use. Where namespaces are
+  not permitted it says so and runs on plain loopback.
+* ``emulated``: the TP collectives move through shared memory and complete after a modelled
+  wire time, waiting asleep (:mod:`megatron_domino.tools.bench.emulated_link`), so the cores
+  stay free for compute as a GPU's SMs do while NVLink moves data.
+
+Unless ``--link-mbit`` is given, a short baseline/oracle run per case picks the rate that puts
+the baseline's communication share near ``--target-comm-share`` (35 %, inside the 25-45 %
 range the Domino paper reports for GPT/Llama training on multi-GPU nodes; this project has
-not measured a GPU's share). Where namespaces are not permitted it says so and runs on plain loopback.
+not measured a GPU's share).
 """
 
 from __future__ import annotations
@@ -85,6 +93,8 @@ CASES = {
         settings=("p1-k2", "s2", "s4"),
     ),
 }
+#: ``--link`` choices (module docstring).
+LINKS = ("shaped", "emulated")
 QUICK = dict(cases=["gpt-h1024"], settings=["p2", "p2-k2"], iters=5, warmup=1)
 
 
@@ -98,10 +108,24 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="One shape, two settings, few iterations (under 5 minutes).",
     )
     parser.add_argument(
+        "--link",
+        choices=LINKS,
+        default="shaped",
+        help="shaped: gloo over a rate-limited loopback (default); emulated: TP collectives "
+        "through shared memory, completed after a modelled wire time, cores left free.",
+    )
+    parser.add_argument(
         "--link-mbit",
         type=float,
         default=None,
-        help="Loopback rate in Mbit/s; default: calibrated per case.",
+        help="Link rate in Mbit/s (per rank and direction on the emulated link); default: "
+        "calibrated per case.",
+    )
+    parser.add_argument(
+        "--link-latency-us",
+        type=float,
+        default=50.0,
+        help="Emulated link: fixed time per collective in microseconds. Default 50.",
     )
     parser.add_argument(
         "--target-comm-share",
@@ -183,11 +207,20 @@ def _run_worker(case: dict, iters: int, warmup: int) -> dict:
         return json.loads(out.read_text())
 
 
+def _at_rate(case: dict, rate_mbit: float) -> dict:
+    """``case`` on its link at ``rate_mbit``: the shaped loopback is set now, the emulated
+    link's rate travels in the case to the workers."""
+    if case["link"]["kind"] == "shaped":
+        shape_loopback(rate_mbit)
+    return dict(case, link=dict(case["link"], mbit=rate_mbit))
+
+
 def _comm_share(case: dict, rate_mbit: float) -> float:
     """Baseline communication share ``1 - T_oracle / T_base`` at ``rate_mbit``, from a short run."""
-    shape_loopback(rate_mbit)
     # The baseline and the oracle only: no Domino settings, no DeepSpeed arms.
-    probe = _run_worker(dict(case, domino={}, deepspeed=False), iters=3, warmup=1)
+    probe = _run_worker(
+        dict(_at_rate(case, rate_mbit), domino={}, deepspeed=False), iters=3, warmup=1
+    )
     arms = probe["arms"]
     share = 1 - arms["oracle"]["total"]["median_s"] / arms["baseline"]["total"]["median_s"]
     return min(max(share, 0.02), 0.98)
@@ -197,8 +230,10 @@ def _calibrated_rate(case: dict, target: float) -> float:
     """The loopback rate that puts the baseline's communication share near ``target``.
 
     If communication time scaled exactly as 1/rate, the share ``s`` measured at rate ``r``
-    would give the rate for share ``t`` as ``r * (s / (1 - s)) / (t / (1 - t))``. Latency and
-    gloo's CPU work make it only roughly so; two such steps land within a few points.
+    would give the rate for share ``t`` as ``r * (s / (1 - s)) / (t / (1 - t))``. On the
+    shaped loopback latency and gloo's CPU work make it only roughly so; two such steps land
+    within a few points. The emulated link's wire time is latency + bytes / rate, so the
+    steps land closer.
     """
     rate = 1000.0
     for _ in range(2):
@@ -228,8 +263,8 @@ def _deepspeed_fields(name: str, case: dict) -> dict:
 def main(argv=None) -> int:
     raw_argv = sys.argv[1:] if argv is None else argv
     args = parse_args(raw_argv)
-    shaped = inside_private_namespace()
-    if not shaped:
+    shaped = args.link == "shaped" and inside_private_namespace()
+    if args.link == "shaped" and not shaped:
         reason = namespace_unavailable_reason()
         if reason is None:
             return reexec_in_private_namespace(raw_argv)
@@ -243,14 +278,18 @@ def main(argv=None) -> int:
     for index, name in enumerate(args.cases, 1):
         case = {key: value for key, value in CASES[name].items() if key != "settings"}
         chosen = [s for s in args.settings if s in CASES[name]["settings"]]
-        case |= dict(tensor_model_parallel_size=2, domino={s: setting(s).fields for s in chosen})
+        case |= dict(
+            tensor_model_parallel_size=2,
+            domino={s: setting(s).fields for s in chosen},
+            link={"kind": args.link, "latency_s": args.link_latency_us * 1e-6},
+        )
         if args.deepspeed:
             case |= _deepspeed_fields(name, case)
         print(f"[{index}/{len(args.cases)}] {name}: {case['model']}", flush=True)
         rate = None
-        if shaped:
+        if shaped or args.link == "emulated":
             rate = args.link_mbit or _calibrated_rate(case, args.target_comm_share)
-            shape_loopback(rate)
+            case = _at_rate(case, rate)
         result = _run_worker(case, args.iters, args.warmup)
         cases.append(
             {
@@ -264,13 +303,20 @@ def main(argv=None) -> int:
                 "collectives": result["collectives"],
                 "comm_only_cpu_s": result["comm_only_cpu_s"],
                 "auto": auto_check(result),
+                "link_stats": result.get("link_stats"),
             }
         )
     print(
         "host time per layer: stock and every setting, tiny layers, no-op collectives", flush=True
     )
     host = measure_host_time(list(SETTINGS), iters=max(args.iters, 10))
-    link = "private namespace, tc tbf rate-limited loopback" if shaped else "plain loopback"
+    link = {
+        "emulated": "emulated link (shared memory, modelled wire time, sleeping waits, "
+        f"{args.link_latency_us:g} us per collective)",
+        "shaped": "private namespace, tc tbf rate-limited loopback",
+    }[args.link]
+    if args.link == "shaped" and not shaped:
+        link = "plain loopback"
     run = {
         **provenance(link=link),
         "iters": args.iters,

@@ -29,19 +29,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megatron_domino.tools.bench.noop_collectives import TP_COLLECTIVES
+from megatron_domino.tools.bench.noop_collectives import COLLECTIVE_KINDS, TP_COLLECTIVES
 
 __all__ = ["CollectiveCall", "CollectiveLog", "replay", "tp_collectives_logged"]
 
-#: What each patched attribute does; the gather/scatter functions Megatron-Core binds at
-#: import are ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` under another name.
-_KINDS = {
-    "all_reduce": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
-    "dist_all_gather_func": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "dist_reduce_scatter_func": "reduce_scatter",
-}
 
 
 @dataclass(frozen=True)
@@ -110,7 +101,7 @@ def tp_collectives_logged(tp_group: dist.ProcessGroup, log: CollectiveLog) -> It
     """
     originals = [(owner, name, getattr(owner, name)) for owner, name in TP_COLLECTIVES]
     for owner, name, original in originals:
-        setattr(owner, name, _logging(original, _KINDS[name], tp_group, log))
+        setattr(owner, name, _logging(original, COLLECTIVE_KINDS[name], tp_group, log))
     try:
         yield
     finally:

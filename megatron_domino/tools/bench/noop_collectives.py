@@ -28,6 +28,16 @@ TP_COLLECTIVES = (
     (tp_mappings, "dist_all_gather_func"),
     (tp_mappings, "dist_reduce_scatter_func"),
 )
+#: What each attribute of :data:`TP_COLLECTIVES` does; the gather/scatter functions
+#: Megatron-Core binds at import are ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
+#: under another name.
+COLLECTIVE_KINDS = {
+    "all_reduce": "all_reduce",
+    "all_gather_into_tensor": "all_gather",
+    "dist_all_gather_func": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "dist_reduce_scatter_func": "reduce_scatter",
+}
 
 
 class _CompletedWork:

@@ -90,7 +90,20 @@ def markdown_table(cases: list[dict]) -> str:
                 f"| {row['roofline_efficiency_bwd']:.0%} | {row['speedup']:.3f} "
                 f"| {row['chunk_overhead']:.3f} | {row['peak_mem_ratio']:.3f} |\n"
             )
-    return "".join(lines) + _deepspeed_table(cases) + _auto_table(cases)
+    return "".join(lines) + _link_cost(cases) + _deepspeed_table(cases) + _auto_table(cases)
+
+
+def _link_cost(cases: list[dict]) -> str:
+    """The emulated link's own CPU time against the wire time it modelled, per case."""
+    lines = [
+        f"\n{case['name']}: emulated link served {stats['collectives']} collectives, "
+        f"{stats['wire_s']:.2f} s modelled on the wire for {stats['cpu_s']:.3f} s of its own CPU "
+        f"({stats['cpu_per_wire']:.1%} of the wire time; "
+        f"{stats['cpu_s'] / stats['collectives'] * 1e6:.0f} us per collective)\n"
+        for case in cases
+        if (stats := case.get("link_stats"))
+    ]
+    return "".join(lines)
 
 
 def write_artefacts(out_dir: Path, run: dict) -> list[Path]:

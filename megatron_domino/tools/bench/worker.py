@@ -35,6 +35,7 @@ from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_domino.analysis.spans import collective_spans, summarize
 from megatron_domino.apply import apply_domino
@@ -46,6 +47,11 @@ from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model, causa
 from megatron_domino.recorder import EventRecorder
 from megatron_domino.tools.bench.comm_only import CollectiveLog, replay, tp_collectives_logged
 from megatron_domino.tools.bench.deepspeed_arm import build_deepspeed_block, deepspeed_decoder
+from megatron_domino.tools.bench.emulated_link import (
+    EmulatedLink,
+    LinkModel,
+    tp_collectives_emulated,
+)
 from megatron_domino.tools.bench.metrics import DEEPSPEED, arm_names, comm_only_arm
 from megatron_domino.tools.bench.noop_collectives import tp_collectives_skipped
 from megatron_domino.tools.bench.sdpa_attention import sdpa_layer_spec
@@ -169,7 +175,29 @@ def _stats(samples: list[float]) -> dict:
 
 
 def run_case(case: dict, iters: int, warmup: int) -> dict:
-    """Time every arm of ``case`` and return their statistics and the overlap evidence."""
+    """Time every arm of ``case`` and return their statistics and the overlap evidence.
+
+    With ``case["link"]`` of kind ``emulated`` every arm's TP collectives run on the emulated
+    interconnect (:mod:`megatron_domino.tools.bench.emulated_link`) at its ``mbit`` rate, and
+    the result carries the link's own statistics (``link_stats``: its CPU seconds against the
+    wire seconds it modelled); otherwise they run on the process group's backend.
+    """
+    link = case.get("link", {})
+    if link.get("kind") != "emulated":
+        return _run_arms(case, iters, warmup)
+    options = GPTOptions(**case["model"])
+    # The comm-only arm launches a whole phase before waiting: room for 32 of the largest
+    # tensors a rank contributes (an activation [s, b, h] in fp32) is more than any phase.
+    activation = options.seq_length * case["micro_batch_size"] * options.hidden_size * 4
+    model = LinkModel.from_mbit(link["mbit"], latency_s=link.get("latency_s", 50e-6))
+    group = parallel_state.get_tensor_model_parallel_group()
+    emulated = EmulatedLink(group, model, capacity_bytes=32 * activation)
+    with tp_collectives_emulated(emulated):
+        result = _run_arms(case, iters, warmup)
+    return {**result, "link_stats": emulated.stats.as_dict()}
+
+
+def _run_arms(case: dict, iters: int, warmup: int) -> dict:
     options = GPTOptions(**case["model"])
     micro_batch_size = case["micro_batch_size"]
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
