@@ -28,6 +28,8 @@ demo: $(STAMP)
 	$(VENV)/bin/megatron-domino-demo
 
 # make bench QUICK=1: one shape, two settings, under 5 minutes.
+# make bench LINK=emulated: TP collectives on the emulated interconnect (shared memory, modelled
+# wire time, sleeping waits) instead of gloo over a rate-limited loopback.
 # make bench DS=1: also DeepSpeed's own Domino as an arm (installs deepspeed into .venv).
 DEEPSPEED_VERSION ?= 0.19.8
 DS_STAMP := $(VENV)/.deepspeed-$(DEEPSPEED_VERSION)
@@ -38,7 +40,8 @@ $(DS_STAMP): $(STAMP)
 	touch $(DS_STAMP)
 
 bench: $(STAMP) $(if $(DS),$(DS_STAMP))
-	$(VENV)/bin/megatron-domino-bench $(if $(QUICK),--quick) $(if $(DS),--deepspeed) $(BENCH_ARGS)
+	$(VENV)/bin/megatron-domino-bench $(if $(QUICK),--quick) $(if $(DS),--deepspeed) \
+		$(if $(LINK),--link $(LINK)) $(BENCH_ARGS)
 
 # One GPU, no Transformer Engine, under 10 minutes (see docs/gpu_check.md).
 gpu-check: $(STAMP)

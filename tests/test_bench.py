@@ -71,6 +71,15 @@ def test_worker_metrics_and_artefacts(tmp_path):
         calls[phase]["count"] for calls in result["collectives"].values() for phase in calls
     )
     assert stats["wire_s"] > 0 and stats["cpu_s"] > 0
+    # ... and the step's waits on it were counted per phase and traced per launching code.
+    for row in rows:
+        for phase in ("fwd", "bwd"):
+            assert row[f"baseline_blocked_{phase}_s"] > 0 and row[f"blocked_{phase}_s"] >= 0
+            assert f"roofline_by_waits_{phase}" in row
+    waits = result["link_waits"]
+    assert set(waits) == {"baseline", "domino[p2]", "domino[p1-k2]"}
+    assert any("RowParallelLinear" in w["caller"] for w in waits["baseline"])
+    assert any("megatron_domino" in w["caller"] for w in waits["domino[p2]"])
     # Chunking keeps the same activations: the saved-for-backward bytes barely move.
     assert 0.9 < rows[0]["peak_mem_ratio"] < 1.2
 
@@ -86,12 +95,15 @@ def test_worker_metrics_and_artefacts(tmp_path):
         "comm_only_cpu_s": result["comm_only_cpu_s"],
         "auto": auto,
         "link_stats": result["link_stats"],
+        "link_waits": result["link_waits"],
     }
     written = write_artefacts(tmp_path, {"commit": "test", "cases": [case]})
     latest = json.loads((tmp_path / "latest.json").read_text())
     assert latest["cases"][0]["rows"][0]["setting"] == "p2"
     table = (tmp_path / "table.md").read_text()
     assert "| tiny | p2 | 2 | 2 | 1 | 2000 |" in table
+    assert "| tiny | p2 | " in table.split("roofline by waits bwd |")[1]
+    assert "Where one traced step waited on the emulated link" in table
     assert f"tiny: emulated link served {result['link_stats']['collectives']} collectives" in table
     assert f"| tiny | {auto['choice']} | {auto['fastest']} | {auto['ratio']:.3f} |" in table
     assert all(path.exists() for path in written)

@@ -304,6 +304,7 @@ def main(argv=None) -> int:
                 "comm_only_cpu_s": result["comm_only_cpu_s"],
                 "auto": auto_check(result),
                 "link_stats": result.get("link_stats"),
+                "link_waits": result.get("link_waits"),
             }
         )
     print(

@@ -34,7 +34,6 @@ from megatron_domino.tools.bench.noop_collectives import COLLECTIVE_KINDS, TP_CO
 __all__ = ["CollectiveCall", "CollectiveLog", "replay", "tp_collectives_logged"]
 
 
-
 @dataclass(frozen=True)
 class CollectiveCall:
     """One logged collective: ``kind`` with its output (and, for gather/scatter, input) shape.

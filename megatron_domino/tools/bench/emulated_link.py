@@ -117,12 +117,14 @@ class LinkModel:
 
 @dataclass
 class LinkStats:
-    """What the link did: collectives, modelled wire seconds and its own CPU seconds."""
+    """What the link did: collectives, modelled wire seconds, its own CPU seconds, and the
+    seconds its callers spent blocked in waits, per phase label (:attr:`EmulatedLink.phase`)."""
 
     collectives: int = 0
     wire_s: float = 0.0
     cpu_s: float = 0.0
     by_kind: dict[str, int] = field(default_factory=dict)
+    blocked_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def cpu_per_wire(self) -> float:
@@ -136,6 +138,7 @@ class LinkStats:
             "cpu_s": self.cpu_s,
             "cpu_per_wire": self.cpu_per_wire,
             "by_kind": dict(self.by_kind),
+            "blocked_s": dict(self.blocked_s),
         }
 
 
@@ -159,13 +162,15 @@ class _Launched:
 class LinkEvent:
     """One collective's life on this rank (``time.monotonic_ns`` clock): launched, on the wire
     from ``wire_start_ns`` to ``wire_end_ns``, waited from ``wait_begin_ns`` to
-    ``wait_end_ns`` (the time the caller was blocked). ``caller`` names the code that
-    launched it (``module:function``)."""
+    ``wait_end_ns`` (the time the caller was blocked), in ``phase``
+    (:attr:`EmulatedLink.phase` at the wait). ``caller`` names the code that launched it
+    (``module:qualified function``, and the nearest ``torch.nn.Module`` up the stack)."""
 
     sequence: int
     kind: str
     nbytes: int
     caller: str
+    phase: str
     launch_ns: int
     wire_start_ns: int
     wire_end_ns: int
@@ -214,6 +219,8 @@ class EmulatedLink:
         self.stats = LinkStats()
         #: With ``trace``, one :class:`LinkEvent` per completed collective, in completion order.
         self.trace: list[LinkEvent] | None = [] if trace else None
+        #: A label the caller sets (``fwd``, ``bwd``): waits are counted per label.
+        self.phase = ""
         words = self.world * (_RANK_WORDS + MAX_IN_FLIGHT * _LAUNCH_WORDS)
         control_bytes = _aligned(words * 8)
         self._map = _shared_map(group, control_bytes + self.world * self.capacity)
@@ -297,9 +304,9 @@ class EmulatedLink:
         sequence = self._launched
         nbytes = source.numel() * source.element_size()
         offset = self._allocate(sequence, nbytes)
-        self._contribution(self.rank, offset, nbytes).view(source.dtype).view(
-            source.shape
-        ).copy_(source)
+        self._contribution(self.rank, offset, nbytes).view(source.dtype).view(source.shape).copy_(
+            source
+        )
         launch_ns = time.monotonic_ns()
         self._words[self._launch_word(self.rank, sequence, _NBYTES)] = nbytes
         self._words[self._launch_word(self.rank, sequence, _LAUNCH_NS)] = launch_ns
@@ -325,6 +332,8 @@ class EmulatedLink:
         if delay > 0:
             time.sleep(delay)
         wait_end = time.monotonic_ns()
+        blocked = self.stats.blocked_s
+        blocked[self.phase] = blocked.get(self.phase, 0.0) + (wait_end - wait_begin) / 1e9
         cpu = time.thread_time()
         sources = [
             self._contribution(rank, launched.offset, launched.nbytes)
@@ -346,6 +355,7 @@ class EmulatedLink:
                     launched.kind,
                     launched.nbytes,
                     launched.caller,
+                    self.phase,
                     launched.launch_ns,
                     *wire,
                     wait_begin,
@@ -355,7 +365,7 @@ class EmulatedLink:
 
     def wire_done(self, launched: _Launched) -> bool:
         """Whether ``launched`` has left the wire (without waiting for peers to launch)."""
-        if not all(self._posted(rank) >= launched.sequence for rank in range(self.world)):
+        if not self._launched_by_all(launched.sequence):
             return False
         self._resolve_through(launched.sequence)
         return time.monotonic_ns() >= self._wire_ns[launched.sequence][1]
@@ -370,7 +380,7 @@ class EmulatedLink:
             current = self._resolved
             launched = self._pending[current]
             self._sleep_until(
-                lambda: all(self._posted(rank) >= current for rank in range(self.world)),
+                functools.partial(self._launched_by_all, current),
                 f"rank(s) to launch collective #{current} ({launched.kind})",
             )
             sizes = [self._words[self._launch_word(r, current, _NBYTES)] for r in range(self.world)]
@@ -450,8 +460,8 @@ class EmulatedLink:
         entry = rank * MAX_IN_FLIGHT + sequence % MAX_IN_FLIGHT
         return self.world * _RANK_WORDS + entry * _LAUNCH_WORDS + which
 
-    def _posted(self, rank: int) -> int:
-        return self._words[self._word(rank, _POSTED)]
+    def _launched_by_all(self, sequence: int) -> bool:
+        return all(self._words[self._word(r, _POSTED)] >= sequence for r in range(self.world))
 
     def _contribution(self, rank: int, offset: int, nbytes: int) -> torch.Tensor:
         start = rank * self.capacity + offset
@@ -459,14 +469,18 @@ class EmulatedLink:
 
 
 def _caller() -> str:
-    """``module:function`` of the first frame outside this module and ``torch.distributed``."""
-    frame = sys._getframe(2)
+    """``module:qualified function`` of the first frame outside this module and
+    ``torch.distributed``, and the class of the nearest ``torch.nn.Module`` method above it."""
+    frame, caller = sys._getframe(2), ""
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if module != __name__ and not module.startswith("torch.distributed"):
-            return f"{module}:{frame.f_code.co_name}"
+        if not caller and module != __name__ and not module.startswith("torch.distributed"):
+            caller = f"{module}:{frame.f_code.co_qualname}"
+        owner = frame.f_locals.get("self") if caller else None
+        if isinstance(owner, torch.nn.Module):
+            return f"{caller} in {type(owner).__name__}"
         frame = frame.f_back
-    return ""
+    return caller
 
 
 def _aligned(nbytes: int) -> int:
@@ -491,9 +505,7 @@ def _reduce_op(op) -> Callable:
     try:
         return _REDUCE_OPS[op]
     except KeyError:
-        raise ValueError(
-            f"the emulated link reduces with SUM, MAX or MIN, not {op}"
-        ) from None
+        raise ValueError(f"the emulated link reduces with SUM, MAX or MIN, not {op}") from None
 
 
 def _shared_map(group: dist.ProcessGroup, nbytes: int) -> mmap.mmap:

@@ -90,7 +90,58 @@ def markdown_table(cases: list[dict]) -> str:
                 f"| {row['roofline_efficiency_bwd']:.0%} | {row['speedup']:.3f} "
                 f"| {row['chunk_overhead']:.3f} | {row['peak_mem_ratio']:.3f} |\n"
             )
-    return "".join(lines) + _link_cost(cases) + _deepspeed_table(cases) + _auto_table(cases)
+    return (
+        "".join(lines)
+        + _waits_table(cases)
+        + _link_cost(cases)
+        + _deepspeed_table(cases)
+        + _auto_table(cases)
+        + _exposed_collectives(cases)
+    )
+
+
+WAITS_HEADER = (
+    "\n| case | setting | blocked fwd ms (baseline) | blocked bwd ms (baseline) "
+    "| floor fwd / bwd ms | roofline by waits fwd | roofline by waits bwd |\n"
+    "|---|---|---|---|---|---|---|\n"
+)
+
+
+def _waits_table(cases: list[dict]) -> str:
+    """Emulated link: the time each setting's step was blocked in waits, per phase, against
+    the baseline's and the floor no schedule goes below (metrics' ``roofline_by_waits``)."""
+    lines = [
+        f"| {case['name']} | {row['setting']} "
+        f"| {row['blocked_fwd_s'] * 1e3:.0f} ({row['baseline_blocked_fwd_s'] * 1e3:.0f}) "
+        f"| {row['blocked_bwd_s'] * 1e3:.0f} ({row['baseline_blocked_bwd_s'] * 1e3:.0f}) "
+        f"| {row['blocked_floor_fwd_s'] * 1e3:.0f} / {row['blocked_floor_bwd_s'] * 1e3:.0f} "
+        f"| {row['roofline_by_waits_fwd']:.0%} | {row['roofline_by_waits_bwd']:.0%} |\n"
+        for case in cases
+        for row in case["rows"]
+        if "blocked_fwd_s" in row
+    ]
+    return WAITS_HEADER + "".join(lines) if lines else ""
+
+
+def _exposed_collectives(cases: list[dict]) -> str:
+    """Emulated link: per case, arm and phase, which code's collectives the step waited for."""
+    lines = []
+    for case in cases:
+        for arm, waits in (case.get("link_waits") or {}).items():
+            for wait in sorted(waits, key=lambda w: (w["phase"], -w["blocked_ms"])):
+                lines.append(
+                    f"| {case['name']} | {arm} | {wait['phase']} | `{wait['caller']}` "
+                    f"| {wait['kind']} | {wait['bytes']} | {wait['count']} "
+                    f"| {wait['blocked_ms']:.1f} |\n"
+                )
+    if not lines:
+        return ""
+    header = (
+        "\nWhere one traced step waited on the emulated link (rank 0):\n\n"
+        "| case | arm | phase | launched by | kind | bytes | count | blocked ms |\n"
+        "|---|---|---|---|---|---|---|---|\n"
+    )
+    return header + "".join(lines)
 
 
 def _link_cost(cases: list[dict]) -> str:

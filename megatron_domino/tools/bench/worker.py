@@ -27,6 +27,7 @@ measurement, so the report can check its choice against the arms' medians.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import statistics
@@ -78,26 +79,41 @@ def _batch(options: GPTOptions, micro_batch_size: int, device) -> dict:
     }
 
 
-def _timed_step(model, batch, log: CollectiveLog | None = None) -> tuple[float, float]:
-    """Forward+loss and backward wall times of one micro-batch, slowest rank's; ``log``, if
-    given, is told which phase runs (for :func:`tp_collectives_logged`)."""
+def _timed_step(
+    model, batch, log: CollectiveLog | None = None, link: EmulatedLink | None = None
+) -> dict[str, float]:
+    """``fwd`` (forward + loss) and ``bwd`` wall seconds of one micro-batch, slowest rank's.
+
+    ``log``, if given, is told which phase runs (for :func:`tp_collectives_logged`). With the
+    emulated ``link``, also ``blocked_fwd`` / ``blocked_bwd``: the seconds the slowest rank
+    spent blocked in waits on the link per phase, the communication the schedule left
+    exposed, measured without the noise of compute times.
+    """
     cuda = torch.cuda.is_available()
     model.zero_grad(set_to_none=True)
     dist.barrier()
-    start = time.perf_counter()
-    loss = model(**batch).float().mean()
-    if cuda:
-        torch.cuda.synchronize()
-    mid = time.perf_counter()
-    if log is not None:
-        log.phase = "bwd"
-    loss.backward()
-    if cuda:
-        torch.cuda.synchronize()
-    end = time.perf_counter()
-    times = torch.tensor([mid - start, end - mid], dtype=torch.float64)
+    parts, loss = {}, None
+    for phase in ("fwd", "bwd"):
+        if log is not None:
+            log.phase = phase
+        if link is not None:
+            link.phase = phase
+            blocked_before = link.stats.blocked_s.get(phase, 0.0)
+        start = time.perf_counter()
+        if loss is None:
+            loss = model(**batch).float().mean()
+        else:
+            loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+        parts[phase] = time.perf_counter() - start
+        if link is not None:
+            parts[f"blocked_{phase}"] = link.stats.blocked_s.get(phase, 0.0) - blocked_before
+    if link is not None:
+        link.phase = ""
+    times = torch.tensor(list(parts.values()), dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return float(times[0]), float(times[1])
+    return dict(zip(parts, times.tolist(), strict=True))
 
 
 def _peak_memory_bytes(model, batch) -> int:
@@ -149,8 +165,8 @@ def _auto_choice(model, batch, candidates: list[DominoConfig]) -> dict:
     tuner = AutoTuner(candidates)
     while not tuner.done:
         with apply_domino(model, tuner.current):
-            fwd, bwd = _timed_step(model, batch)
-        tuner.record(fwd + bwd)
+            times = _timed_step(model, batch)
+        tuner.record(times["fwd"] + times["bwd"])
     return tuner.record_dict()
 
 
@@ -160,14 +176,33 @@ def _comm_only_step(log: CollectiveLog, tp_group, cpu_samples: dict):
     calls = {phase: log.of_phase(phase) for phase in ("fwd", "bwd")}
     buffers = {phase: {} for phase in calls}
 
-    def step() -> tuple[float, float]:
+    def step() -> dict[str, float]:
         wall = {}
         for phase in ("fwd", "bwd"):
             wall[phase], cpu = replay(calls[phase], tp_group, buffers[phase])
             cpu_samples[phase].append(cpu)
-        return wall["fwd"], wall["bwd"]
+        return wall
 
     return step
+
+
+def _link_waits(model, batch, link: EmulatedLink) -> list[dict]:
+    """One step on the emulated link, traced: per phase and launching code, how many
+    collectives, their bytes and the milliseconds this rank was blocked waiting for them.
+    What the schedule leaves exposed, Megatron-Core's own collectives included."""
+    link.trace = []
+    _timed_step(model, batch, link=link)
+    waits: dict[tuple, dict] = {}
+    for event in link.trace:
+        key = (event.phase, event.caller, event.kind, event.nbytes)
+        entry = waits.setdefault(key, {"count": 0, "blocked_ms": 0.0})
+        entry["count"] += 1
+        entry["blocked_ms"] += (event.wait_end_ns - event.wait_begin_ns) / 1e6
+    link.trace = None
+    return [
+        {"phase": phase, "caller": caller, "kind": kind, "bytes": nbytes, **entry}
+        for (phase, caller, kind, nbytes), entry in waits.items()
+    ]
 
 
 def _stats(samples: list[float]) -> dict:
@@ -184,7 +219,7 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
     """
     link = case.get("link", {})
     if link.get("kind") != "emulated":
-        return _run_arms(case, iters, warmup)
+        return _run_arms(case, iters, warmup, link=None)
     options = GPTOptions(**case["model"])
     # The comm-only arm launches a whole phase before waiting: room for 32 of the largest
     # tensors a rank contributes (an activation [s, b, h] in fp32) is more than any phase.
@@ -193,11 +228,11 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
     group = parallel_state.get_tensor_model_parallel_group()
     emulated = EmulatedLink(group, model, capacity_bytes=32 * activation)
     with tp_collectives_emulated(emulated):
-        result = _run_arms(case, iters, warmup)
+        result = _run_arms(case, iters, warmup, link=emulated)
     return {**result, "link_stats": emulated.stats.as_dict()}
 
 
-def _run_arms(case: dict, iters: int, warmup: int) -> dict:
+def _run_arms(case: dict, iters: int, warmup: int, link: EmulatedLink | None) -> dict:
     options = GPTOptions(**case["model"])
     micro_batch_size = case["micro_batch_size"]
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
@@ -237,9 +272,9 @@ def _run_arms(case: dict, iters: int, warmup: int) -> dict:
         deepspeed_check = _same_loss(model, batch, arms["baseline"], arms[arm_names(DEEPSPEED)[0]])
 
     def step_of(name: str):
-        def step() -> tuple[float, float]:
+        def step() -> dict[str, float]:
             with arms[name]():
-                return _timed_step(model, batch)
+                return _timed_step(model, batch, link=link)
 
         return step
 
@@ -258,7 +293,7 @@ def _run_arms(case: dict, iters: int, warmup: int) -> dict:
         comm_cpu[name] = {"fwd": [], "bwd": []}
         steps[comm_only_arm(name)] = _comm_only_step(log, tp_group, comm_cpu[name])
 
-    samples = {name: {"fwd": [], "bwd": [], "total": []} for name in steps}
+    samples = {name: collections.defaultdict(list) for name in steps}
     names = list(steps)
     rank0 = dist.get_rank() == 0
     for iteration in range(warmup + iters):
@@ -270,11 +305,11 @@ def _run_arms(case: dict, iters: int, warmup: int) -> dict:
             )
         shift = iteration % len(names)
         for name in names[shift:] + names[:shift]:
-            fwd, bwd = steps[name]()
+            times = steps[name]()
             if iteration >= warmup:
-                samples[name]["fwd"].append(fwd)
-                samples[name]["bwd"].append(bwd)
-                samples[name]["total"].append(fwd + bwd)
+                for part, seconds in times.items():
+                    samples[name][part].append(seconds)
+                samples[name]["total"].append(times["fwd"] + times["bwd"])
 
     auto = _auto_choice(model, batch, list(settings.values())) if len(settings) > 1 else None
 
@@ -289,6 +324,11 @@ def _run_arms(case: dict, iters: int, warmup: int) -> dict:
             direction: asdict(summarize(spans, direction)) for direction in ("fwd", "bwd")
         }
         timelines[name] = [asdict(event) for event in events]
+    link_waits = {}
+    if link is not None:
+        for name in ["baseline"] + [arm_names(name)[0] for name in rows]:
+            with arms[name]():
+                link_waits[name] = _link_waits(model, batch, link)
     memory_arms = ["baseline"] + [arm_names(name)[0] for name in rows]
     peak_memory = {}
     for name in memory_arms:
@@ -298,7 +338,7 @@ def _run_arms(case: dict, iters: int, warmup: int) -> dict:
         "arms": {
             name: {part: _stats(v) for part, v in parts.items()} for name, parts in samples.items()
         },
-        "samples": samples,
+        "samples": {name: dict(parts) for name, parts in samples.items()},
         "collectives": collectives,
         "comm_only_cpu_s": {
             name: {phase: statistics.median(v[warmup:]) for phase, v in phases.items()}
@@ -308,6 +348,7 @@ def _run_arms(case: dict, iters: int, warmup: int) -> dict:
         "deepspeed_check": deepspeed_check,
         "recorder_overlap": overlap,
         "timelines": timelines,
+        "link_waits": link_waits,
         "peak_memory_bytes": peak_memory,
     }
 
