@@ -2,7 +2,9 @@
 
 ``apply_domino(model, config)`` binds Domino's ``forward`` onto *instances* of the model's
 transformer block and of the layer modules :data:`megatron_domino.plan.LAYER_PLAN` names
-(tensor-parallel linears; core attentions under the sequence split). The classes stay
+(tensor-parallel linears; core attentions under the sequence split), and with backward overlap
+onto its output layer where that can take its input gradient per chunk
+(:mod:`megatron_domino.output_head`). The classes stay
 untouched, so an unpatched model in the same process (e.g. the baseline of an A/B test) is
 unaffected. No parameter is created or replaced: the schedule calls the model's own
 submodules. The returned :class:`DominoHandle` reverts exactly what was bound; applying twice
@@ -16,10 +18,12 @@ from __future__ import annotations
 import functools
 
 import torch
+from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron_domino.block import domino_block_forward
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
+from megatron_domino.output_head import output_layer_forward, output_layer_problems
 from megatron_domino.plan import LAYER_PLAN, layer_forward
 from megatron_domino.recorder import NULL_RECORDER, NullRecorder
 from megatron_domino.refusals import model_problems, raise_problems, sharded_problems
@@ -107,4 +111,14 @@ def apply_domino(
             if forward is not None:
                 module.forward = functools.partial(forward, module, runtime=runtime)
                 patched.append(module)
+    models = [m for m in model.modules() if isinstance(m, GPTModel)]
+    if (
+        config.backward_overlap
+        and len(models) == 1
+        and not output_layer_problems(models[0], config.chunks)
+    ):
+        head = models[0].output_layer
+        head.forward = functools.partial(output_layer_forward, head, runtime=runtime)
+        patched.append(head)
+        runtime.head_overlap = True
     return DominoHandle(runtime, patched)

@@ -77,7 +77,7 @@ class _ColumnLinearAsyncDgrad(torch.autograd.Function):
                 grad_2d, input_2d = prepare_input_tensors_for_wgrad_compute(
                     grad_output, linear_input
                 )
-                grad_weight = _weight_gradient(
+                grad_weight = weight_gradient(
                     weight, grad_2d, input_2d, ctx.accumulate_in_main_grad
                 )
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -85,7 +85,7 @@ class _ColumnLinearAsyncDgrad(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None
 
 
-def _weight_gradient(weight, grad_2d, input_2d, accumulate_in_main_grad: bool):
+def weight_gradient(weight, grad_2d, input_2d, accumulate_in_main_grad: bool):
     """``dW = dY^T @ X`` (``[n/tp, h]``), or its accumulation into ``weight.main_grad``.
 
     ``grad_2d`` ``[s*b/p, n/tp]`` and ``input_2d`` ``[s*b/p, h]`` are contiguous.

@@ -26,8 +26,15 @@ from megatron.core.tensor_parallel import checkpoint, get_cuda_rng_tracker
 from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron.core.utils import WrappedTensor, make_viewless_tensor
 
-from megatron_domino.chunking import from_chunk_major, join_chunks, make_chunks, to_chunk_major
+from megatron_domino.chunking import (
+    SPLIT_DIMS,
+    from_chunk_major,
+    join_chunks,
+    make_chunks,
+    to_chunk_major,
+)
 from megatron_domino.config import DominoUnsupportedError
+from megatron_domino.output_head import HeadHandoff
 from megatron_domino.schedule import run_layers
 from megatron_domino.state import DominoRuntime
 
@@ -71,9 +78,20 @@ def domino_block_forward(
     chunk_major = runtime.sequence_parallel and runtime.config.split_along == "sequence"
     if chunk_major:
         hidden_states = to_chunk_major(hidden_states, runtime.config, runtime.tp_group)
+    groups = layer_groups(block)
+    # Where the output layer takes its gradients per chunk, the last group runs the final norm
+    # per chunk and hands the chunks over (megatron_domino.output_head).
+    head = (
+        runtime.head_overlap
+        and torch.is_grad_enabled()
+        and block.final_layernorm is not None
+        and not chunk_major
+        and not groups[-1][2]
+    )
     with rng, fp8:
-        for first, last, recomputed in layer_groups(block):
-            group = functools.partial(run_group, first=first, last=last)
+        for first, last, recomputed in groups:
+            final = block.final_layernorm if head and last == len(block.layers) else None
+            group = functools.partial(run_group, first=first, last=last, final_layernorm=final)
             if recomputed:
                 hidden_states = checkpoint(
                     group, block.config.distribute_saved_activations, hidden_states
@@ -83,7 +101,7 @@ def domino_block_forward(
     if chunk_major:
         hidden_states = from_chunk_major(hidden_states, runtime.config, runtime.tp_group)
 
-    if block.final_layernorm is not None:
+    if block.final_layernorm is not None and not head:
         hidden_states = block.final_layernorm(hidden_states)
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
     return hidden_states
@@ -117,17 +135,34 @@ def _run_group(
     first: int,
     last: int,
     attention_inputs: dict,
+    final_layernorm: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """Layers ``first..last-1`` on ``hidden_states`` ``[s, b, h]``, as one Domino step.
 
     Splits the input into the chunks, runs the schedule, and joins them again; called again
-    with the same input when a recomputed range is replayed in backward.
+    with the same input when a recomputed range is replayed in backward. With
+    ``final_layernorm`` the chunks end with it and are handed to the output layer
+    (:class:`~megatron_domino.output_head.HeadHandoff`).
     """
     shards = runtime.tp_group.size() if runtime.sequence_parallel else 1
     chunks = make_chunks(hidden_states, runtime.config, attention_inputs, sequence_shards=shards)
-    with runtime.new_step(chunks):
-        run_layers(runtime, block.layers[first:last], chunks, first_index=first)
-        return join_chunks(chunks, runtime.config)
+    with runtime.new_step(chunks) as step:
+        run_layers(
+            runtime,
+            block.layers[first:last],
+            chunks,
+            first_index=first,
+            final_layernorm=final_layernorm,
+        )
+        joined = join_chunks(chunks, runtime.config)
+        if final_layernorm is not None:
+            runtime.head_handoff = HeadHandoff(
+                joined,
+                tuple(chunk.hidden for chunk in chunks),
+                tuple(step.head_slots),
+                SPLIT_DIMS[runtime.config.split_along],
+            )
+        return joined
 
 
 def _refuse_unsupported_arguments(kwargs: dict) -> None:

@@ -20,7 +20,9 @@ mlp_core               mlp up to linear_fc2: fc1, activation                    
 mlp_projection         linear_fc2 GEMM (k pieces); launch its all-reduce(s)           R
 =====================  =============================================================  =====
 
-and a final ``finish`` (wait, mlp bias-dropout-add) after the last layer of a segment.
+and a final ``finish`` (wait, mlp bias-dropout-add) after the last layer of a segment; where
+the output layer takes its input gradient per chunk, the block's last finish also runs the
+final norm per chunk (:func:`with_head_wait`).
 
 **Wavefront.** At tick ``t`` chunk ``c`` runs its op ``t - c``. So chunk ``c+1``'s core runs
 between chunk ``c``'s projection (launch) and its next norm (wait): every forward all-reduce
@@ -47,6 +49,7 @@ from megatron.core.utils import make_viewless_tensor
 from megatron_domino.backward_overlap import wait_for_dgrad_reduce
 from megatron_domino.collectives import DgradAllReduce, SequenceCollective
 from megatron_domino.linears import row_projection
+from megatron_domino.output_head import place_head_wait
 from megatron_domino.recorder import CollectiveLabel
 from megatron_domino.saved_shards import SavedInputRegather
 from megatron_domino.sequence_parallel import launch_gather, wait_gather
@@ -198,6 +201,25 @@ def segment_ops(layer_ops: list[LayerOps]) -> list[tuple[str, int, Op]]:
     return sequence
 
 
+def with_head_wait(
+    finish: tuple[str, int, Op], runtime: DominoRuntime, final_layernorm
+) -> tuple[str, int, Op]:
+    """The segment's ``finish`` op, followed by the final norm with the backward wait of the
+    output layer's all-reduce (:func:`~megatron_domino.output_head.place_head_wait`).
+
+    In one op, so that chunk ``c``'s wait is created before the later chunks' last projection:
+    in backward that projection's GEMMs run between chunk ``c+1``'s wait and chunk ``c``'s,
+    while chunk ``c``'s all-reduce flies.
+    """
+    name, layer, op = finish
+
+    def finish_then_head_wait(chunk: ChunkState) -> None:
+        op(chunk)
+        place_head_wait(runtime, final_layernorm, layer, chunk)
+
+    return name, layer, finish_then_head_wait
+
+
 def run_wavefront(
     runtime: DominoRuntime, sequence: list[tuple[str, int, Op]], chunks: list[ChunkState]
 ) -> None:
@@ -218,10 +240,12 @@ def run_layers(
     chunks: list[ChunkState],
     *,
     first_index: int = 0,
+    final_layernorm: torch.nn.Module | None = None,
 ) -> None:
     """Run all ``layers`` on ``chunks`` (in place), one segment or one per layer.
 
-    ``first_index`` is the block position of ``layers[0]`` (for labels).
+    ``first_index`` is the block position of ``layers[0]`` (for labels). With
+    ``final_layernorm``, the last segment's finish ends :func:`with_head_wait`.
     """
     inter_layer = runtime.config.inter_layer
     segments: list[list[LayerOps]] = []
@@ -232,5 +256,8 @@ def run_layers(
             segments.append([ops])
         else:
             segments[-1].append(ops)
-    for segment in segments:
-        run_wavefront(runtime, segment_ops(segment), chunks)
+    for number, segment in enumerate(segments, start=1):
+        sequence = segment_ops(segment)
+        if final_layernorm is not None and number == len(segments):
+            sequence[-1] = with_head_wait(sequence[-1], runtime, final_layernorm)
+        run_wavefront(runtime, sequence, chunks)

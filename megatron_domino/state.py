@@ -29,6 +29,7 @@ from megatron_domino.recorder import NULL_RECORDER, NullRecorder
 if TYPE_CHECKING:
     from megatron_domino.collectives import DgradAllReduce, SequenceCollective
     from megatron_domino.linears import DeferredRow, PendingReduce
+    from megatron_domino.output_head import HeadHandoff
     from megatron_domino.saved_shards import SavedInputRegather
 
 
@@ -87,6 +88,8 @@ class StepState:
 
     chunks: list[ChunkState]
     dgrad_slots: list[DgradAllReduce] = field(default_factory=list)
+    #: The output layer's per-chunk input-gradient all-reduces (:mod:`megatron_domino.output_head`).
+    head_slots: list[DgradAllReduce] = field(default_factory=list)
     sequence_slots: list[SequenceCollective] = field(default_factory=list)
     #: Held weakly: they keep activation shards, which must go with the autograd graph.
     regathers: weakref.WeakSet[SavedInputRegather] = field(default_factory=weakref.WeakSet)
@@ -105,7 +108,7 @@ class StepState:
     @property
     def pending_backward(self) -> list:
         """Backward collectives launched but not yet waited."""
-        slots = [*self.dgrad_slots, *self.sequence_slots, *self.regathers]
+        slots = [*self.dgrad_slots, *self.head_slots, *self.sequence_slots, *self.regathers]
         return [slot for slot in slots if slot.pending]
 
 
@@ -114,6 +117,9 @@ class DominoRuntime:
 
     ``sequence_parallel`` mirrors the model's setting: the residual stream is then
     ``[s/tp, b, h]`` and the row/column collectives are reduce-scatters and all-gathers.
+    ``head_overlap`` says the model's output layer is bound to take its input gradient per
+    chunk in flight, and ``head_handoff`` is what the last block forward left it
+    (:mod:`megatron_domino.output_head`).
     """
 
     def __init__(
@@ -129,6 +135,8 @@ class DominoRuntime:
         self.sequence_parallel = sequence_parallel
         self.step: StepState | None = None
         self.last_step: StepState | None = None
+        self.head_overlap = False
+        self.head_handoff: HeadHandoff | None = None
 
     @contextlib.contextmanager
     def new_step(self, chunks: list[ChunkState]):

@@ -79,7 +79,9 @@ def _compare() -> dict:
             found[named.name] = dict(
                 mismatches=mismatches(result, reference, tolerance_for(options))[:3],
                 pending=pending,
-                counts=count_mismatches(spans, config, num_layers=LAYERS, sequence_parallel=sp),
+                counts=count_mismatches(
+                    spans, config, num_layers=LAYERS, sequence_parallel=sp, output_layer=not sp
+                ),
                 overlap=(
                     overlap_violations(spans, config, sequence_parallel=sp)[:3]
                     if config.inter_layer

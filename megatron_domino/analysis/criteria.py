@@ -9,7 +9,8 @@ Counts, per layer (collective names end in ``_ar``, ``_ag``, ``_rs`` or ``_regat
 
 * without sequence parallelism: ``2 p k`` forward all-reduces (attention projection and fc2,
   ``p`` chunks, ``k`` column pieces) and, with backward overlap, ``2 p`` input-gradient
-  all-reduces (QKV and fc1);
+  all-reduces (QKV and fc1); and once per step, where the output layer takes its input
+  gradient per chunk (``output_layer``, :mod:`megatron_domino.output_head`), ``p`` more;
 * with it: ``2 p`` all-gathers (QKV and fc1 inputs) and ``2 p k`` reduce-scatters (projection
   and fc2 outputs) in forward; in backward each keeps its forward twin's name (the gather's
   twin reduce-scatters dX, the scatter's twin gathers dY), so the same counts again, plus
@@ -19,6 +20,8 @@ Overlap:
 
 * ``p >= 2`` without sequence parallelism: every collective but the last to finish waiting,
   per direction, had another chunk's (or piece's) compute between its launch and its wait;
+  so did the output layer's all-reduces but the last chunk's (its wait is the backward's
+  first: only the output layer's own weight gradient runs before it);
 * ``p >= 2`` with sequence parallelism: every collective but the first and the last launched,
   per direction (the first forward all-gather has no other chunk started yet; its backward
   twin is the backward's last), and but the first re-gather launched (the last layer's fc1
@@ -33,6 +36,7 @@ from collections import Counter
 
 from megatron_domino.analysis.spans import CollectiveSpan
 from megatron_domino.config import DominoConfig
+from megatron_domino.output_head import HEAD_COLLECTIVE
 
 __all__ = [
     "collective_counts",
@@ -51,9 +55,10 @@ def collective_counts(spans: list[CollectiveSpan]) -> Counter:
 
 
 def expected_collective_counts(
-    config: DominoConfig, *, num_layers: int, sequence_parallel: bool
+    config: DominoConfig, *, num_layers: int, sequence_parallel: bool, output_layer: bool = False
 ) -> Counter:
-    """The counts :func:`collective_counts` must give for one forward and backward."""
+    """The counts :func:`collective_counts` must give for one forward and backward;
+    ``output_layer``: the step ran the model's output layer, bound by Domino."""
     p, k, n = config.chunks, config.column_chunks, num_layers
     if sequence_parallel:
         return Counter(
@@ -67,7 +72,7 @@ def expected_collective_counts(
         )
     expected = Counter({("fwd", "ar"): n * 2 * p * k})
     if config.backward_overlap:
-        expected[("bwd", "ar")] = n * 2 * p
+        expected[("bwd", "ar")] = n * 2 * p + (p if output_layer and p >= 2 else 0)
     return expected
 
 
@@ -77,17 +82,26 @@ def count_mismatches(
     *,
     num_layers: int,
     sequence_parallel: bool,
+    output_layer: bool = False,
 ) -> list[str]:
     """``"fwd ar: 10 recorded, 12 expected"`` for each (direction, kind) that is off."""
     got = collective_counts(spans)
     want = expected_collective_counts(
-        config, num_layers=num_layers, sequence_parallel=sequence_parallel
+        config,
+        num_layers=num_layers,
+        sequence_parallel=sequence_parallel,
+        output_layer=output_layer,
     )
     return [
         f"{direction} {kind}: {got[(direction, kind)]} recorded, {want[(direction, kind)]} expected"
         for direction, kind in sorted(set(got) | set(want))
         if got[(direction, kind)] != want[(direction, kind)]
     ]
+
+
+def _first_head_wait(span: CollectiveSpan, config: DominoConfig) -> bool:
+    """The output layer's all-reduce of the last chunk, the backward's first wait."""
+    return span.name == HEAD_COLLECTIVE and span.chunk == config.chunks - 1
 
 
 def overlap_criterion(config: DominoConfig, *, sequence_parallel: bool) -> str | None:
@@ -129,5 +143,6 @@ def overlap_violations(
             candidates = [s for s in candidates if s not in regathers[:1]]
         else:
             candidates = sorted(chosen, key=lambda s: s.wait_end_s)[:-1]
+            candidates = [s for s in candidates if not _first_head_wait(s, config)]
         violations += [s for s in candidates if not s.overlapped_by]
     return violations

@@ -36,6 +36,11 @@ from pathlib import Path
 from megatron_domino.harness.model_options import GPTOptions
 from megatron_domino.harness.settings import setting
 from megatron_domino.tools.bench.deepspeed_arm import deepspeed_problems
+from megatron_domino.tools.bench.gpu_scaling import (
+    H100_NVLINK_BUSBW_GBS,
+    H100_TFLOPS,
+    gpu_scaled_rate,
+)
 from megatron_domino.tools.bench.host_time import host_table, measure_host_time
 from megatron_domino.tools.bench.link import (
     inside_private_namespace,
@@ -122,6 +127,26 @@ def parse_args(argv=None) -> argparse.Namespace:
         "calibrated per case.",
     )
     parser.add_argument(
+        "--gpu-scaled",
+        action="store_true",
+        help="Emulated link: instead of calibrating, run at the rate that gives this CPU's GEMM "
+        "rate a GPU's communication-to-compute ratio: --gpu-busbw-gbs x CPU GFLOP/s (measured "
+        "on the case's MLP GEMM) / --gpu-tflops.",
+    )
+    parser.add_argument(
+        "--gpu-tflops",
+        type=float,
+        default=H100_TFLOPS,
+        help=f"With --gpu-scaled: the GPU's achieved GEMM rate. Default {H100_TFLOPS:g} (H100).",
+    )
+    parser.add_argument(
+        "--gpu-busbw-gbs",
+        type=float,
+        default=H100_NVLINK_BUSBW_GBS,
+        help="With --gpu-scaled: the GPU interconnect's all-reduce bus bandwidth, GB/s. "
+        f"Default {H100_NVLINK_BUSBW_GBS:g} (NVLink 4, 8 x H100).",
+    )
+    parser.add_argument(
         "--link-latency-us",
         type=float,
         default=50.0,
@@ -168,6 +193,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="Where latest.json, table.md and the plots go. Default bench_results/.",
     )
     args = parser.parse_args(argv)
+    if args.gpu_scaled and (args.link != "emulated" or args.link_mbit is not None):
+        parser.error(
+            "--gpu-scaled sets the emulated link's rate: use it with --link emulated "
+            "and without --link-mbit"
+        )
     if args.quick:
         for name, value in QUICK.items():
             setattr(args, name, value)
@@ -247,6 +277,22 @@ def _calibrated_rate(case: dict, target: float) -> float:
     return rate
 
 
+def _chosen_rate(case: dict, args: argparse.Namespace) -> float:
+    """The calibrated rate, or with ``--gpu-scaled`` the GPU-equivalent one (printed)."""
+    if not args.gpu_scaled:
+        return _calibrated_rate(case, args.target_comm_share)
+    options = GPTOptions(**case["model"])
+    scaled = gpu_scaled_rate(
+        tokens=options.seq_length * case["micro_batch_size"],
+        hidden=options.hidden_size,
+        ffn_per_rank=options.resolved_ffn_hidden_size // case["tensor_model_parallel_size"],
+        gpu_tflops=args.gpu_tflops,
+        gpu_busbw_gbs=args.gpu_busbw_gbs,
+    )
+    print(f"  GPU-scaled link: {scaled.describe()}", flush=True)
+    return scaled.mbit_s
+
+
 def _deepspeed_fields(name: str, case: dict) -> dict:
     """``{"deepspeed": True, "sdpa": True}`` where DeepSpeed's Domino can run the case; else
     nothing, saying why (the case still runs its other arms)."""
@@ -288,7 +334,7 @@ def main(argv=None) -> int:
         print(f"[{index}/{len(args.cases)}] {name}: {case['model']}", flush=True)
         rate = None
         if shaped or args.link == "emulated":
-            rate = args.link_mbit or _calibrated_rate(case, args.target_comm_share)
+            rate = args.link_mbit or _chosen_rate(case, args)
             case = _at_rate(case, rate)
         result = _run_worker(case, args.iters, args.warmup)
         cases.append(

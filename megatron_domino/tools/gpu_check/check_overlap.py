@@ -101,7 +101,11 @@ def overlap_rank(settings: list[str], device: str, quick: bool, staged: list[str
                 model, batch, config, use_cuda_events=device == "cuda"
             )
             problems = count_mismatches(
-                spans, config, num_layers=LAYERS, sequence_parallel=sequence_parallel
+                spans,
+                config,
+                num_layers=LAYERS,
+                sequence_parallel=sequence_parallel,
+                output_layer=not sequence_parallel,
             )
             if after_forward or after_backward:
                 problems.append(
