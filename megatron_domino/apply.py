@@ -2,8 +2,9 @@
 
 ``apply_domino(model, config)`` binds Domino's ``forward`` onto *instances* of the model's
 transformer block and of the layer modules :data:`megatron_domino.plan.LAYER_PLAN` names
-(tensor-parallel linears; core attentions under the sequence split), and with backward overlap
-onto its output layer where that can take its input gradient per chunk
+(tensor-parallel linears; core attentions under the sequence split), onto its embedding where
+that can launch its all-reduce per chunk (:mod:`megatron_domino.embedding_overlap`), and with
+backward overlap onto its output layer where that can take its input gradient per chunk
 (:mod:`megatron_domino.output_head`). The classes stay
 untouched, so an unpatched model in the same process (e.g. the baseline of an A/B test) is
 unaffected. No parameter is created or replaced: the schedule calls the model's own
@@ -23,6 +24,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron_domino.block import domino_block_forward
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
+from megatron_domino.embedding_overlap import embedding_forward, embedding_problems
 from megatron_domino.output_head import output_layer_forward, output_layer_problems
 from megatron_domino.plan import LAYER_PLAN, layer_forward
 from megatron_domino.recorder import NULL_RECORDER, NullRecorder
@@ -112,13 +114,18 @@ def apply_domino(
                 module.forward = functools.partial(forward, module, runtime=runtime)
                 patched.append(module)
     models = [m for m in model.modules() if isinstance(m, GPTModel)]
+    gpt = models[0] if len(models) == 1 else None
+    if gpt is not None and not embedding_problems(gpt, config.chunks):
+        gpt.embedding.forward = functools.partial(embedding_forward, gpt.embedding, runtime=runtime)
+        patched.append(gpt.embedding)
     if (
-        config.backward_overlap
-        and len(models) == 1
-        and not output_layer_problems(models[0], config.chunks)
+        gpt is not None
+        and config.backward_overlap
+        and not output_layer_problems(gpt, config.chunks)
     ):
-        head = models[0].output_layer
-        head.forward = functools.partial(output_layer_forward, head, runtime=runtime)
-        patched.append(head)
+        gpt.output_layer.forward = functools.partial(
+            output_layer_forward, gpt.output_layer, runtime=runtime
+        )
+        patched.append(gpt.output_layer)
         runtime.head_overlap = True
     return DominoHandle(runtime, patched)

@@ -34,6 +34,7 @@ from megatron_domino.chunking import (
     to_chunk_major,
 )
 from megatron_domino.config import DominoUnsupportedError
+from megatron_domino.embedding_overlap import PendingEmbedding
 from megatron_domino.output_head import HeadHandoff
 from megatron_domino.schedule import run_layers
 from megatron_domino.state import DominoRuntime
@@ -65,7 +66,9 @@ def domino_block_forward(
     if not block.pre_process:
         # A later pipeline stage: the schedule hands in the previous stage's output.
         hidden_states = block.input_tensor
-    hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
+    embeddings = _embedding_handoff(runtime, hidden_states)
+    if embeddings is None:
+        hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
 
     attention_inputs = {"attention_mask": attention_mask}
     attention_inputs |= {name: kwargs[name] for name in ATTENTION_ARGS if name in kwargs}
@@ -91,7 +94,13 @@ def domino_block_forward(
     with rng, fp8:
         for first, last, recomputed in groups:
             final = block.final_layernorm if head and last == len(block.layers) else None
-            group = functools.partial(run_group, first=first, last=last, final_layernorm=final)
+            group = functools.partial(
+                run_group,
+                first=first,
+                last=last,
+                final_layernorm=final,
+                embeddings=embeddings if first == 0 else None,
+            )
             if recomputed:
                 hidden_states = checkpoint(
                     group, block.config.distribute_saved_activations, hidden_states
@@ -136,16 +145,24 @@ def _run_group(
     last: int,
     attention_inputs: dict,
     final_layernorm: torch.nn.Module | None = None,
+    embeddings: tuple[PendingEmbedding, ...] | None = None,
 ) -> torch.Tensor:
     """Layers ``first..last-1`` on ``hidden_states`` ``[s, b, h]``, as one Domino step.
 
     Splits the input into the chunks, runs the schedule, and joins them again; called again
     with the same input when a recomputed range is replayed in backward. With
     ``final_layernorm`` the chunks end with it and are handed to the output layer
-    (:class:`~megatron_domino.output_head.HeadHandoff`).
+    (:class:`~megatron_domino.output_head.HeadHandoff`); with ``embeddings`` they start as the
+    embedding's chunks in flight (:mod:`megatron_domino.embedding_overlap`).
     """
     shards = runtime.tp_group.size() if runtime.sequence_parallel else 1
-    chunks = make_chunks(hidden_states, runtime.config, attention_inputs, sequence_shards=shards)
+    chunks = make_chunks(
+        hidden_states,
+        runtime.config,
+        attention_inputs,
+        sequence_shards=shards,
+        embeddings=embeddings,
+    )
     with runtime.new_step(chunks) as step:
         run_layers(
             runtime,
@@ -163,6 +180,27 @@ def _run_group(
                 SPLIT_DIMS[runtime.config.split_along],
             )
         return joined
+
+
+def _embedding_handoff(
+    runtime: DominoRuntime, hidden_states: torch.Tensor
+) -> tuple[PendingEmbedding, ...] | None:
+    """The chunks' embeddings in flight, where the embedding launched them for this input.
+
+    Raises:
+        RuntimeError: the embedding launched its chunks' all-reduces but the block got another
+            input (a model flow Domino does not know): the placeholder would be read.
+    """
+    handoff, runtime.embedding_handoff = runtime.embedding_handoff, None
+    if handoff is None:
+        return None
+    if handoff.placeholder is not hidden_states:
+        raise RuntimeError(
+            "Domino: the embedding launched its per-chunk all-reduces, but the transformer "
+            "block received another input than the embedding's output, which is a placeholder "
+            "until the chunks' first ops; this model's forward is unsupported with Domino."
+        )
+    return handoff.chunks
 
 
 def _refuse_unsupported_arguments(kwargs: dict) -> None:

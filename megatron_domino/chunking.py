@@ -32,12 +32,17 @@ outside the overlapped schedule: per block forward and backward ``4`` extra coll
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 from megatron_domino.config import DominoConfig, DominoConfigError
 from megatron_domino.state import ChunkState
+
+if TYPE_CHECKING:
+    from megatron_domino.embedding_overlap import PendingEmbedding
 
 #: The dimension of ``[s, b, h]`` each split cuts.
 SPLIT_DIMS = {"batch": 1, "sequence": 0}
@@ -49,6 +54,7 @@ def make_chunks(
     attention_inputs: dict,
     *,
     sequence_shards: int = 1,
+    embeddings: tuple[PendingEmbedding, ...] | None = None,
 ) -> list[ChunkState]:
     """The ``p`` chunks of ``hidden_states`` ``[s, b, h]``, each with its attention inputs.
 
@@ -59,6 +65,9 @@ def make_chunks(
         sequence_shards: under the sequence split with sequence parallelism, the TP size
             ``t``: ``hidden_states`` is then this rank's ``[s/t, b, h]`` in the chunk-major
             layout of :func:`to_chunk_major`, while masks and rotary rows cover all ``s``.
+        embeddings: the chunks' embeddings in flight
+            (:class:`~megatron_domino.embedding_overlap.EmbeddingHandoff`); ``hidden_states``
+            is then the embedding's placeholder, whose shape alone is read.
     Raises:
         DominoConfigError: the split dimension is not divisible by ``p``
             (:meth:`~megatron_domino.config.DominoConfig.shape_problems`).
@@ -74,10 +83,11 @@ def make_chunks(
     return [
         ChunkState(
             index=c,
-            hidden=hidden.contiguous(),
+            hidden=hidden.contiguous() if embeddings is None else None,
             attention_inputs={
                 name: slicer(name, value, c, p, size) for name, value in attention_inputs.items()
             },
+            pending_embedding=None if embeddings is None else embeddings[c],
         )
         for c, hidden in enumerate(hidden_states.chunk(p, dim=dim))
     ]

@@ -10,7 +10,8 @@ submodules:
 =====================  =============================================================  =====
 op                     work (all on this chunk)                                       kind
 =====================  =============================================================  =====
-attention_norm         [wait mlp all-reduce of layer l-1; mlp bias-dropout-add];      P
+attention_norm         [wait mlp all-reduce of layer l-1; mlp bias-dropout-add], or   P
+                       [wait the embedding's all-reduce, finish the embedding];
                        input_layernorm; place the backward wait of the QKV dX
 attention_core         self_attention up to linear_proj: QKV, RoPE, core attention    H
 attention_projection   linear_proj GEMM (k pieces); launch its all-reduce(s)          R
@@ -94,6 +95,8 @@ class LayerOps:
     def attention_norm(self, chunk: ChunkState) -> None:
         if self.previous is not None:
             self.previous.finish(chunk)
+        if chunk.pending_embedding is not None:
+            chunk.hidden, chunk.pending_embedding = chunk.pending_embedding.finish(), None
         normed, chunk.residual = self._norm(self.layer.input_layernorm, chunk.hidden)
         chunk.linear_input = self._prepare_column_input(normed, chunk, "attention")
 

@@ -28,6 +28,7 @@ from megatron_domino.recorder import NULL_RECORDER, NullRecorder
 
 if TYPE_CHECKING:
     from megatron_domino.collectives import DgradAllReduce, SequenceCollective
+    from megatron_domino.embedding_overlap import EmbeddingHandoff, PendingEmbedding
     from megatron_domino.linears import DeferredRow, PendingReduce
     from megatron_domino.output_head import HeadHandoff
     from megatron_domino.saved_shards import SavedInputRegather
@@ -59,10 +60,13 @@ class ChunkState:
             ``[s, b/p, n/tp]``), so that the GEMM can run in the next op.
         pending: the row-parallel output whose all-reduce is in flight.
         pending_bias: that linear's bias, returned separately (``skip_bias_add``).
+        pending_embedding: before the chunk's first op, its embedding whose all-reduce is in
+            flight (:mod:`megatron_domino.embedding_overlap`); ``hidden`` is ``None`` until
+            that op finishes it.
     """
 
     index: int
-    hidden: torch.Tensor
+    hidden: torch.Tensor | None
     attention_inputs: dict
     residual: torch.Tensor | None = None
     linear_input: torch.Tensor | None = None
@@ -72,6 +76,7 @@ class ChunkState:
     deferred: DeferredRow | None = None
     pending: PendingReduce | None = None
     pending_bias: torch.Tensor | None = None
+    pending_embedding: PendingEmbedding | None = None
 
 
 @dataclass
@@ -103,7 +108,8 @@ class StepState:
     def pending_forward(self) -> list:
         """Forward collectives still in flight (row outputs and sequence-parallel gathers)."""
         rows = [c.pending for c in self.chunks if c.pending is not None and c.pending.in_flight]
-        return rows + [slot for slot in self.sequence_slots if slot.pending]
+        embeddings = [c.pending_embedding for c in self.chunks if c.pending_embedding is not None]
+        return rows + embeddings + [slot for slot in self.sequence_slots if slot.pending]
 
     @property
     def pending_backward(self) -> list:
@@ -119,7 +125,8 @@ class DominoRuntime:
     ``[s/tp, b, h]`` and the row/column collectives are reduce-scatters and all-gathers.
     ``head_overlap`` says the model's output layer is bound to take its input gradient per
     chunk in flight, and ``head_handoff`` is what the last block forward left it
-    (:mod:`megatron_domino.output_head`).
+    (:mod:`megatron_domino.output_head`); ``embedding_handoff`` is what the embedding left the
+    next block forward (:mod:`megatron_domino.embedding_overlap`).
     """
 
     def __init__(
@@ -137,6 +144,7 @@ class DominoRuntime:
         self.last_step: StepState | None = None
         self.head_overlap = False
         self.head_handoff: HeadHandoff | None = None
+        self.embedding_handoff: EmbeddingHandoff | None = None
 
     @contextlib.contextmanager
     def new_step(self, chunks: list[ChunkState]):

@@ -76,7 +76,7 @@ def test_collective_counts_and_nothing_pending(recorded, name):
     spans = collective_spans(recorded[name]["events"])
     config = SETTINGS[name]
     assert not count_mismatches(
-        spans, config, num_layers=LAYERS, sequence_parallel=False, output_layer=True
+        spans, config, num_layers=LAYERS, sequence_parallel=False, embedding=True, output_layer=True
     )
     assert recorded[name]["after_forward"] == (0, 0)
     assert recorded[name]["after_backward"] == 0

@@ -99,7 +99,12 @@ def test_collectives_match_the_schedule_and_overlap():
     spans = run_on_ranks(_spans, 2)[0]
     for setting, config in SETTINGS.items():
         wrong = count_mismatches(
-            spans[setting], config, num_layers=LAYERS, sequence_parallel=False, output_layer=True
+            spans[setting],
+            config,
+            num_layers=LAYERS,
+            sequence_parallel=False,
+            embedding=True,
+            output_layer=True,
         )
         assert not wrong, (setting, wrong)
         if config.inter_layer:

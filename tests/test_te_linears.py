@@ -149,6 +149,7 @@ def test_collectives_match_the_schedule_and_overlap(compared):
             config,
             num_layers=LAYERS,
             sequence_parallel=sequence_parallel,
+            embedding=not sequence_parallel,
             output_layer=not sequence_parallel,
         )
         assert not wrong, (setting, wrong)

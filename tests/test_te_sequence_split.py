@@ -80,7 +80,12 @@ def _compare() -> dict:
                 mismatches=mismatches(result, reference, tolerance_for(options))[:3],
                 pending=pending,
                 counts=count_mismatches(
-                    spans, config, num_layers=LAYERS, sequence_parallel=sp, output_layer=not sp
+                    spans,
+                    config,
+                    num_layers=LAYERS,
+                    sequence_parallel=sp,
+                    embedding=not sp,
+                    output_layer=not sp,
                 ),
                 overlap=(
                     overlap_violations(spans, config, sequence_parallel=sp)[:3]

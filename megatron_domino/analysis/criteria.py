@@ -9,8 +9,10 @@ Counts, per layer (collective names end in ``_ar``, ``_ag``, ``_rs`` or ``_regat
 
 * without sequence parallelism: ``2 p k`` forward all-reduces (attention projection and fc2,
   ``p`` chunks, ``k`` column pieces) and, with backward overlap, ``2 p`` input-gradient
-  all-reduces (QKV and fc1); and once per step, where the output layer takes its input
-  gradient per chunk (``output_layer``, :mod:`megatron_domino.output_head`), ``p`` more;
+  all-reduces (QKV and fc1); and once per step, where the embedding launches its all-reduce
+  per chunk (``embedding``, :mod:`megatron_domino.embedding_overlap`), ``p`` more forward,
+  and where the output layer takes its input gradient per chunk (``output_layer``,
+  :mod:`megatron_domino.output_head`), ``p`` more backward;
 * with it: ``2 p`` all-gathers (QKV and fc1 inputs) and ``2 p k`` reduce-scatters (projection
   and fc2 outputs) in forward; in backward each keeps its forward twin's name (the gather's
   twin reduce-scatters dX, the scatter's twin gathers dY), so the same counts again, plus
@@ -20,8 +22,9 @@ Overlap:
 
 * ``p >= 2`` without sequence parallelism: every collective but the last to finish waiting,
   per direction, had another chunk's (or piece's) compute between its launch and its wait;
-  so did the output layer's all-reduces but the last chunk's (its wait is the backward's
-  first: only the output layer's own weight gradient runs before it);
+  so did the embedding's all-reduces but chunk 0's (waited by the forward's first op) and
+  the output layer's but the last chunk's (its wait is the backward's first: only the output
+  layer's own weight gradient runs before it);
 * ``p >= 2`` with sequence parallelism: every collective but the first and the last launched,
   per direction (the first forward all-gather has no other chunk started yet; its backward
   twin is the backward's last), and but the first re-gather launched (the last layer's fc1
@@ -36,6 +39,7 @@ from collections import Counter
 
 from megatron_domino.analysis.spans import CollectiveSpan
 from megatron_domino.config import DominoConfig
+from megatron_domino.embedding_overlap import EMBEDDING_COLLECTIVE
 from megatron_domino.output_head import HEAD_COLLECTIVE
 
 __all__ = [
@@ -55,10 +59,16 @@ def collective_counts(spans: list[CollectiveSpan]) -> Counter:
 
 
 def expected_collective_counts(
-    config: DominoConfig, *, num_layers: int, sequence_parallel: bool, output_layer: bool = False
+    config: DominoConfig,
+    *,
+    num_layers: int,
+    sequence_parallel: bool,
+    embedding: bool = False,
+    output_layer: bool = False,
 ) -> Counter:
     """The counts :func:`collective_counts` must give for one forward and backward;
-    ``output_layer``: the step ran the model's output layer, bound by Domino."""
+    ``embedding`` / ``output_layer``: the step ran the model's embedding / output layer, and
+    Domino bound them (a one-stage model without sequence parallelism, ``p >= 2``)."""
     p, k, n = config.chunks, config.column_chunks, num_layers
     if sequence_parallel:
         return Counter(
@@ -70,9 +80,10 @@ def expected_collective_counts(
                 ("bwd", "regather"): n * 2 * p,
             }
         )
-    expected = Counter({("fwd", "ar"): n * 2 * p * k})
+    ends = p >= 2 and not sequence_parallel
+    expected = Counter({("fwd", "ar"): n * 2 * p * k + (p if embedding and ends else 0)})
     if config.backward_overlap:
-        expected[("bwd", "ar")] = n * 2 * p + (p if output_layer and p >= 2 else 0)
+        expected[("bwd", "ar")] = n * 2 * p + (p if output_layer and ends else 0)
     return expected
 
 
@@ -82,6 +93,7 @@ def count_mismatches(
     *,
     num_layers: int,
     sequence_parallel: bool,
+    embedding: bool = False,
     output_layer: bool = False,
 ) -> list[str]:
     """``"fwd ar: 10 recorded, 12 expected"`` for each (direction, kind) that is off."""
@@ -90,6 +102,7 @@ def count_mismatches(
         config,
         num_layers=num_layers,
         sequence_parallel=sequence_parallel,
+        embedding=embedding,
         output_layer=output_layer,
     )
     return [
@@ -99,8 +112,11 @@ def count_mismatches(
     ]
 
 
-def _first_head_wait(span: CollectiveSpan, config: DominoConfig) -> bool:
-    """The output layer's all-reduce of the last chunk, the backward's first wait."""
+def _first_wait_of_an_end(span: CollectiveSpan, config: DominoConfig) -> bool:
+    """Chunk 0's embedding all-reduce (the forward's first wait) or the last chunk's
+    output-layer all-reduce (the backward's first): nothing of another chunk can run first."""
+    if span.name == EMBEDDING_COLLECTIVE:
+        return span.chunk == 0
     return span.name == HEAD_COLLECTIVE and span.chunk == config.chunks - 1
 
 
@@ -143,6 +159,6 @@ def overlap_violations(
             candidates = [s for s in candidates if s not in regathers[:1]]
         else:
             candidates = sorted(chosen, key=lambda s: s.wait_end_s)[:-1]
-            candidates = [s for s in candidates if not _first_head_wait(s, config)]
+            candidates = [s for s in candidates if not _first_wait_of_an_end(s, config)]
         violations += [s for s in candidates if not s.overlapped_by]
     return violations

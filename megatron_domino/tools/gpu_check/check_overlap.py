@@ -105,6 +105,7 @@ def overlap_rank(settings: list[str], device: str, quick: bool, staged: list[str
                 config,
                 num_layers=LAYERS,
                 sequence_parallel=sequence_parallel,
+                embedding=not sequence_parallel,
                 output_layer=not sequence_parallel,
             )
             if after_forward or after_backward:
