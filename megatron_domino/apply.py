@@ -2,10 +2,9 @@
 
 ``apply_domino(model, config)`` binds Domino's ``forward`` onto *instances* of the model's
 transformer block and of the layer modules :data:`megatron_domino.plan.LAYER_PLAN` names
-(tensor-parallel linears; core attentions under the sequence split), onto its embedding where
-that can launch its all-reduce per chunk (:mod:`megatron_domino.embedding_overlap`), and with
-backward overlap onto its output layer where that can take its input gradient per chunk
-(:mod:`megatron_domino.output_head`). The classes stay
+(tensor-parallel linears; core attentions under the sequence split), and onto the model's two
+ends where they can take part (:data:`megatron_domino.plan.MODEL_ENDS`: the embedding's
+all-reduce launched per chunk, the output layer's input gradient all-reduced per chunk). The classes stay
 untouched, so an unpatched model in the same process (e.g. the baseline of an A/B test) is
 unaffected. No parameter is created or replaced: the schedule calls the model's own
 submodules. The returned :class:`DominoHandle` reverts exactly what was bound; applying twice
@@ -24,9 +23,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron_domino.block import domino_block_forward
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
-from megatron_domino.embedding_overlap import embedding_forward, embedding_problems
-from megatron_domino.output_head import output_layer_forward, output_layer_problems
-from megatron_domino.plan import LAYER_PLAN, layer_forward
+from megatron_domino.plan import LAYER_PLAN, layer_forward, model_end_forwards
 from megatron_domino.recorder import NULL_RECORDER, NullRecorder
 from megatron_domino.refusals import model_problems, raise_problems, sharded_problems
 from megatron_domino.state import DominoRuntime
@@ -114,18 +111,8 @@ def apply_domino(
                 module.forward = functools.partial(forward, module, runtime=runtime)
                 patched.append(module)
     models = [m for m in model.modules() if isinstance(m, GPTModel)]
-    gpt = models[0] if len(models) == 1 else None
-    if gpt is not None and not embedding_problems(gpt, config.chunks):
-        gpt.embedding.forward = functools.partial(embedding_forward, gpt.embedding, runtime=runtime)
-        patched.append(gpt.embedding)
-    if (
-        gpt is not None
-        and config.backward_overlap
-        and not output_layer_problems(gpt, config.chunks)
-    ):
-        gpt.output_layer.forward = functools.partial(
-            output_layer_forward, gpt.output_layer, runtime=runtime
-        )
-        patched.append(gpt.output_layer)
-        runtime.head_overlap = True
+    for end, module in model_end_forwards(models[0], config) if len(models) == 1 else []:
+        module.forward = functools.partial(end.forward, module, runtime=runtime)
+        patched.append(module)
+        runtime.head_overlap |= end.attribute == "output_layer"
     return DominoHandle(runtime, patched)

@@ -67,28 +67,37 @@ class PendingEmbedding:
         slot: the all-reduce of ``partial``.
         partial: this rank's partial sum ``[b/p, s, h]`` (``[b, s/p, h]``), reduced in place.
         embedding: the model's ``LanguageModelEmbedding``.
-        position_ids: the chunk's position ids ``[b/p or 1, s]`` (``[b or 1, s/p]``), or
-            ``None`` where the model has no position embedding.
+        positions: the chunk's rows of the position embeddings (``[b/p or 1, s, h]``,
+            ``[b or 1, s/p, h]``), looked up once for the micro-batch so that their weight gets
+            one gradient as in stock, or ``None`` where the model has none.
     """
 
     slot: ForwardAllReduce
     partial: torch.Tensor
     embedding: LanguageModelEmbedding
-    position_ids: torch.Tensor
+    positions: torch.Tensor | None
 
     def finish(self) -> torch.Tensor:
         """Wait for the all-reduce; the chunk's embeddings ``[s, b/p, h]`` (``[s/p, b, h]``),
-        by Megatron-Core's own ``LanguageModelEmbedding.forward`` on the reduced rows."""
+        by Megatron-Core's own ``LanguageModelEmbedding.forward``, its word and position
+        embeddings answering with the chunk's rows."""
         self.slot.finish()
-        word = self.embedding.word_embeddings
-        reduced = self.partial
-        word.forward = lambda input_ids: reduced
-        try:
-            return LanguageModelEmbedding.forward(
-                self.embedding, input_ids=None, position_ids=self.position_ids
-            )
-        finally:
-            del word.forward
+        embedding = self.embedding
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_answering(embedding.word_embeddings, self.partial))
+            if self.positions is not None:
+                stack.enter_context(_answering(embedding.position_embeddings, self.positions))
+            return LanguageModelEmbedding.forward(embedding, input_ids=None, position_ids=None)
+
+
+@contextlib.contextmanager
+def _answering(module: torch.nn.Module, rows: torch.Tensor):
+    """Within the block, calling ``module`` returns ``rows`` (its hooks still run)."""
+    module.forward = lambda *args, **kwargs: rows
+    try:
+        yield
+    finally:
+        del module.forward
 
 
 @dataclass(frozen=True)
@@ -157,19 +166,18 @@ def embedding_forward(
     with _partial_sum_returned():
         partial = module.word_embeddings(input_ids)  # [b, s, h], this rank's rows only
     b, s, h = partial.shape
-    if position_ids is None or position_ids.shape[dim] == 1:  # shared by every sample
-        position_chunks = [position_ids] * p
-    else:
-        position_chunks = position_ids.chunk(p, dim=dim)
+    positions = [None] * p
+    if module.add_position_embedding:
+        rows = module.position_embeddings(position_ids)  # [b or 1, s, h]
+        positions = [rows] * p if rows.shape[dim] == 1 else rows.chunk(p, dim=dim)
     chunks = []
-    for c, (rows, chunk_positions) in enumerate(
-        zip(partial.chunk(p, dim=dim), position_chunks, strict=True)
+    for c, (word_rows, position_rows) in enumerate(
+        zip(partial.chunk(p, dim=dim), positions, strict=True)
     ):
         label = CollectiveLabel(EMBEDDING_COLLECTIVE, 0, c, runtime.recorder)
         slot = ForwardAllReduce(runtime.tp_group, label)
-        chunks.append(
-            PendingEmbedding(slot, slot.launch(rows.contiguous()), module, chunk_positions)
-        )
+        in_flight = slot.launch(word_rows.contiguous())
+        chunks.append(PendingEmbedding(slot, in_flight, module, position_rows))
     dtype = torch.float32 if module.config.fp32_residual_connection else partial.dtype
     placeholder = partial.new_full((s, b, h), float("nan"), dtype=dtype)
     runtime.embedding_handoff = EmbeddingHandoff(placeholder, tuple(chunks))

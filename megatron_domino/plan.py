@@ -24,6 +24,11 @@ target                             kind            Domino's forward (local / TE)
 ``mlp.linear_fc1``                 column          as ``linear_qkv``
 ``mlp.linear_fc2``                 row             as ``linear_proj``
 =================================  ==============  =======================================
+
+At the model's two ends (:data:`MODEL_ENDS`, on the ``GPTModel`` of a pipeline stage, where
+its check finds nothing against it): ``embedding``
+(:func:`.embedding_overlap.embedding_forward`) and, with backward overlap, ``output_layer``
+(:func:`.output_head.output_layer_forward`).
 """
 
 from __future__ import annotations
@@ -39,16 +44,21 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from megatron_domino.chunk_attention import core_attention_forward, local_attend, te_attend
 from megatron_domino.config import DominoConfig
+from megatron_domino.embedding_overlap import embedding_forward, embedding_problems
 from megatron_domino.linears import LOCAL_ROW, capture_row_input, column_parallel_forward
+from megatron_domino.output_head import output_layer_forward, output_layer_problems
 from megatron_domino.te_linears import TE_ROW, te_column_parallel_forward
 
 __all__ = [
     "LAYER_PLAN",
     "LINEARS",
+    "MODEL_ENDS",
+    "ModelEnd",
     "Target",
     "is_te_core_attention",
     "is_te_linear",
     "layer_forward",
+    "model_end_forwards",
 ]
 
 
@@ -133,3 +143,38 @@ def layer_forward(target: Target, module: torch.nn.Module, config: DominoConfig)
         return None
     attend = te_attend if is_te_core_attention(module) else local_attend
     return functools.partial(core_attention_forward, attend=attend)
+
+
+@dataclass(frozen=True)
+class ModelEnd:
+    """A module of the ``GPTModel`` outside the block whose collective Domino may take over.
+
+    Attributes:
+        attribute: the model's attribute (``embedding``, ``output_layer``).
+        forward: Domino's forward (takes the module first and the runtime as ``runtime=``).
+        problems: ``(model, chunks) -> reasons`` it cannot (empty when it can).
+        backward: it overlaps a backward collective, so it follows ``backward_overlap``.
+    """
+
+    attribute: str
+    forward: Callable
+    problems: Callable[[torch.nn.Module, int], list[str]]
+    backward: bool
+
+
+#: The model's two ends (module docstring).
+MODEL_ENDS: tuple[ModelEnd, ...] = (
+    ModelEnd("embedding", embedding_forward, embedding_problems, backward=False),
+    ModelEnd("output_layer", output_layer_forward, output_layer_problems, backward=True),
+)
+
+
+def model_end_forwards(
+    model: torch.nn.Module, config: DominoConfig
+) -> list[tuple[ModelEnd, torch.nn.Module]]:
+    """The ends of ``model`` (a ``GPTModel``) Domino binds under ``config``, with their modules."""
+    return [
+        (end, getattr(model, end.attribute))
+        for end in MODEL_ENDS
+        if (config.backward_overlap or not end.backward) and not end.problems(model, config.chunks)
+    ]

@@ -115,8 +115,9 @@ def test_cpu_quick_run_writes_the_json_record(cpu_run):
     # Two input-gradient all-reduces per layer and chunk (2 layers, p = 2) without SP.
     assert [c["dgrad_slots"] for c in cases if c["setting"] in ("p2", "p2-k2", "s2")] == [8] * 6
     overlap = {s["setting"]: s for s in by_name["overlap"]["details"]["settings"]}
-    assert overlap["p2-k2"]["counts"] == {"bwd ar": 12, "fwd ar": 24}
-    assert overlap["s2"]["counts"] == {"bwd ar": 12, "fwd ar": 12}
+    # Per layer and chunk 2 x 2 pieces forward, 2 backward; per chunk the model's two ends.
+    assert overlap["p2-k2"]["counts"] == {"bwd ar": 14, "fwd ar": 26}
+    assert overlap["s2"]["counts"] == {"bwd ar": 14, "fwd ar": 14}
     assert overlap["sp-s2"]["counts"] == overlap["sp-p2"]["counts"]  # sequence split, same
     assert overlap["sp-p2"]["counts"] == {
         "bwd ag": 12,

@@ -84,10 +84,10 @@ def test_layer_rows_and_totals_add_up():
     spans = one_step()
     rows = layer_rows(spans)
     assert [(r.layer, r.direction, r.collectives) for r in rows] == [
-        (0, "fwd", 4),
-        (0, "bwd", 4),
-        (1, "fwd", 4),
-        (1, "bwd", 4),
+        ("0", "fwd", 4),
+        ("0", "bwd", 4),
+        ("1", "fwd", 4),
+        ("1", "bwd", 4),
     ]
     assert rows[0].in_flight_s == pytest.approx(0.016)
     assert rows[0].exposed_s == pytest.approx(0.004)
@@ -238,11 +238,14 @@ def test_tp2_training_prints_the_report_and_logs_its_totals(tmp_path):
     for layer in (0, 1):
         for direction in ("fwd", "bwd"):
             assert f"      {layer}  {direction}            8  " in output  # 2 chunks x 2 AR x 2 mb
-    assert "  total  all           32  " in output
+    # The model's ends, per chunk: the embedding's all-reduce, the output layer's in backward.
+    assert "    emb  fwd            4  " in output and "   head  bwd            4  " in output
+    assert "  total  all           40  " in output
     assert "\nWARNING: layer " not in output, output
     reports = read_records(log_json, "domino_report")
     assert [r["iteration"] for r in reports] == [2, 3]
     for report in reports:
-        assert report["collectives"] == 32 and report["passes"] == 4
-        assert report["overlapped"] == 28 and report["not_hidden"] == 0
+        assert report["collectives"] == 40 and report["passes"] == 4
+        # Not overlapped, by design: each pass's last, and each end's first waited.
+        assert report["overlapped"] == 32 and report["not_hidden"] == 0
         assert 0 <= report["exposed_s"] <= report["in_flight_s"]

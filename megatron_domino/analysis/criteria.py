@@ -46,6 +46,7 @@ __all__ = [
     "collective_counts",
     "count_mismatches",
     "expected_collective_counts",
+    "first_wait_of_an_end",
     "overlap_criterion",
     "overlap_violations",
 ]
@@ -112,12 +113,13 @@ def count_mismatches(
     ]
 
 
-def _first_wait_of_an_end(span: CollectiveSpan, config: DominoConfig) -> bool:
+def first_wait_of_an_end(span: CollectiveSpan, chunks: int) -> bool:
     """Chunk 0's embedding all-reduce (the forward's first wait) or the last chunk's
-    output-layer all-reduce (the backward's first): nothing of another chunk can run first."""
+    output-layer all-reduce (the backward's first), of ``chunks`` chunks: nothing of another
+    chunk can run before their waits."""
     if span.name == EMBEDDING_COLLECTIVE:
         return span.chunk == 0
-    return span.name == HEAD_COLLECTIVE and span.chunk == config.chunks - 1
+    return span.name == HEAD_COLLECTIVE and span.chunk == chunks - 1
 
 
 def overlap_criterion(config: DominoConfig, *, sequence_parallel: bool) -> str | None:
@@ -159,6 +161,6 @@ def overlap_violations(
             candidates = [s for s in candidates if s not in regathers[:1]]
         else:
             candidates = sorted(chosen, key=lambda s: s.wait_end_s)[:-1]
-            candidates = [s for s in candidates if not _first_wait_of_an_end(s, config)]
+            candidates = [s for s in candidates if not first_wait_of_an_end(s, config.chunks)]
         violations += [s for s in candidates if not s.overlapped_by]
     return violations

@@ -9,9 +9,11 @@ For every layer and direction the report gives the collectives' *in-flight* time
 end of wait), their *exposed* time (blocked in the wait) and the *hidden* fraction
 ``1 - exposed / in_flight``. A collective whose ``overlapped_by`` is empty had no other
 chunk's (or column piece's) compute between its launch and its wait: it hid nothing, and the
-report warns about it, one ``WARNING:`` line per collective. The exception is the last
-collective of each *pass* (one forward or one backward of one micro-batch, see
-:func:`passes`): nothing is left to compute when it flies, by design of the schedule.
+report warns about it, one ``WARNING:`` line per collective. The exceptions, by design of the
+schedule: the last collective of each *pass* (one forward or one backward of one micro-batch,
+see :func:`passes`), when nothing is left to compute, and the first waited of the model's
+ends (chunk 0's embedding all-reduce, the last chunk's output-layer one), before which no
+other chunk has anything to run. The ends get rows of their own, ``emb`` and ``head``.
 
 Reading the hidden fraction: the in-flight time includes the other chunks' compute that ran
 before the wait, so a collective that finished long before its wait counts as fully hidden.
@@ -22,10 +24,14 @@ it sees launches and waits, not when the wire went idle).
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass
 
+from megatron_domino.analysis.criteria import first_wait_of_an_end
 from megatron_domino.analysis.spans import CollectiveSpan, OverlapSummary, summarize
+from megatron_domino.embedding_overlap import EMBEDDING_COLLECTIVE
+from megatron_domino.output_head import HEAD_COLLECTIVE
 
 DIRECTIONS = ("fwd", "bwd")
 _DIRECTION_WORDS = {"fwd": "forward", "bwd": "backward"}
@@ -33,9 +39,11 @@ _DIRECTION_WORDS = {"fwd": "forward", "bwd": "backward"}
 
 @dataclass(frozen=True)
 class LayerRow:
-    """Totals of one layer's collectives in one direction (all chunks, pieces and passes)."""
+    """Totals of one layer's collectives in one direction (all chunks, pieces and passes);
+    ``layer`` is the layer's number, or ``emb`` / ``head`` for the embedding's and the output
+    layer's (:mod:`megatron_domino.embedding_overlap`, :mod:`megatron_domino.output_head`)."""
 
-    layer: int
+    layer: str
     direction: str
     collectives: int
     in_flight_s: float
@@ -87,7 +95,9 @@ def last_of_pass(run: list[CollectiveSpan]) -> CollectiveSpan:
 
 
 def not_hidden(spans: list[CollectiveSpan]) -> list[NotHidden]:
-    """Collectives with no overlapping compute, the last of each pass excepted, in launch order.
+    """Collectives with no overlapping compute, in launch order; excepted, by design: the last
+    of each pass, and the first waited of the model's ends (chunk 0's embedding all-reduce, the
+    last chunk's output-layer one: nothing of another chunk can run before them).
 
     The same collective (layer, direction, name, chunk, piece) in several passes (micro-batches)
     is listed once, with the number of passes it hid nothing in.
@@ -97,7 +107,10 @@ def not_hidden(spans: list[CollectiveSpan]) -> list[NotHidden]:
     counts: Counter = Counter()
     for run in runs:
         exempt = last_of_pass(run)
+        chunks = 1 + max(span.chunk for span in run)
         for span in run:
+            if first_wait_of_an_end(span, chunks):
+                continue
             if not span.overlapped_by and span is not exempt:
                 counts[(span.layer, span.direction, span.name, span.chunk, span.piece)] += 1
     return [
@@ -106,16 +119,27 @@ def not_hidden(spans: list[CollectiveSpan]) -> list[NotHidden]:
     ]
 
 
+def _row_of(span: CollectiveSpan) -> tuple[int, str]:
+    """Where a collective's row sorts and its label: the embedding's first, then the layers,
+    the output layer's last."""
+    if span.name == EMBEDDING_COLLECTIVE:
+        return -1, "emb"
+    if span.name == HEAD_COLLECTIVE:
+        return sys.maxsize, "head"
+    return span.layer, str(span.layer)
+
+
 def layer_rows(spans: list[CollectiveSpan]) -> list[LayerRow]:
-    """One row per layer and direction that has collectives, by layer, forward first."""
-    keys = sorted({(s.layer, DIRECTIONS.index(s.direction)) for s in spans})
+    """One row per layer (and model end) and direction that has collectives, by layer,
+    forward first."""
+    keys = sorted({(_row_of(s), DIRECTIONS.index(s.direction)) for s in spans})
     rows = []
-    for layer, direction_index in keys:
+    for row, direction_index in keys:
         direction = DIRECTIONS[direction_index]
-        chosen = [s for s in spans if s.layer == layer and s.direction == direction]
+        chosen = [s for s in spans if _row_of(s) == row and s.direction == direction]
         rows.append(
             LayerRow(
-                layer=layer,
+                layer=row[1],
                 direction=direction,
                 collectives=len(chosen),
                 in_flight_s=sum(s.in_flight_s for s in chosen),
@@ -214,8 +238,7 @@ def report_lines(
     ]
 
     rows = [
-        (str(r.layer), r.direction, r.collectives, r.in_flight_s, r.exposed_s)
-        for r in layer_rows(spans)
+        (r.layer, r.direction, r.collectives, r.in_flight_s, r.exposed_s) for r in layer_rows(spans)
     ]
     rows += [
         ("total", direction, t["collectives"], t["in_flight_s"], t["exposed_s"])
