@@ -246,6 +246,11 @@ class EmulatedLink:
         target = _backend_alias(tensor)
 
         def finish(sources: list[torch.Tensor]) -> None:
+            if self.world == 2:
+                # The tensor still holds this rank's contribution (the caller may not write it
+                # while in flight, as with NCCL), and a + b == b + a exactly: one pass less.
+                reduce(target, sources[1 - self.rank], out=target)
+                return
             reduce(sources[0], sources[1], out=target)
             for other in sources[2:]:
                 reduce(target, other, out=target)
