@@ -3,7 +3,7 @@
 One launch of two gloo ranks runs every check: each collective kind against gloo's own result
 (fp32 and bf16, SUM/MAX), outputs untouched until ``wait()``, completion no earlier than the
 modelled wire time with collectives serialised on one wire in launch order, a wait that
-sleeps rather than spins, the refusal of unwaited launches, and Megatron-Core's row-parallel
+sleeps rather than spins, the wait for a late peer counted apart from the wire, the refusal of unwaited launches, and Megatron-Core's row-parallel
 linear routed through it. Timing checks are lower bounds on the model (a sleep never returns
 early), never speed claims.
 """
@@ -83,6 +83,21 @@ def _async_contract(link) -> dict:
     }
 
 
+def _late_peer(link) -> tuple[float, float]:
+    """Rank 1 launches 0.15 s late: rank 0's (peer wait, blocked) seconds for it."""
+    dist.barrier(group=link.group)
+    before = link.stats.peer_wait_s.get("late", 0.0), link.stats.blocked_s.get("late", 0.0)
+    link.phase = "late"
+    if dist.get_rank(link.group) == 1:
+        time.sleep(0.15)
+    link.all_reduce(torch.ones(4))
+    link.phase = ""
+    return (
+        link.stats.peer_wait_s["late"] - before[0],
+        link.stats.blocked_s["late"] - before[1],
+    )
+
+
 def _unwaited(link) -> str:
     handles = [link.all_reduce(torch.ones(4), async_op=True) for _ in range(MAX_IN_FLIGHT)]
     try:
@@ -140,6 +155,7 @@ def _emulated_link_checks() -> dict:
     return {
         "numerics": _numerics(link, group),
         "async": _async_contract(link),
+        "late_peer": _late_peer(link),
         "unwaited": _unwaited(link),
         "megatron": _megatron_row_linear(link, group),
         "stats": link.stats.as_dict(),
@@ -147,7 +163,8 @@ def _emulated_link_checks() -> dict:
 
 
 def test_emulated_link_numerics_contract_and_modelled_time():
-    for result in run_on_ranks(_emulated_link_checks, 2):
+    results = run_on_ranks(_emulated_link_checks, 2)
+    for result in results:
         assert result["numerics"] == []
         contract = result["async"]
         assert contract["untouched_before_wait"]
@@ -157,6 +174,8 @@ def test_emulated_link_numerics_contract_and_modelled_time():
         # The wait sleeps: its CPU time is a small part of the 0.2 s it blocked.
         assert contract["wait_cpu_s"] < 0.1 * contract["second_done_s"]
         assert "never waited on this rank" in result["unwaited"]
+        # Waiting for a late peer is counted apart from the wire (1 ms latency + 4 bytes).
+        assert results[0]["late_peer"][0] > 0.1 and results[0]["late_peer"][1] < 0.05
         # The row linear's forward all-reduce went through the link, with gloo's result.
         assert result["megatron"] == {"equal": True, "served": 1}
         stats = result["stats"]

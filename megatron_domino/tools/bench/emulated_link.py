@@ -117,14 +117,19 @@ class LinkModel:
 
 @dataclass
 class LinkStats:
-    """What the link did: collectives, modelled wire seconds, its own CPU seconds, and the
-    seconds its callers spent blocked in waits, per phase label (:attr:`EmulatedLink.phase`)."""
+    """What the link did: collectives, modelled wire seconds, its own CPU seconds, and per
+    phase label (:attr:`EmulatedLink.phase`) the seconds its callers spent blocked in waits:
+    ``blocked_s`` once every rank had launched the collective (on the wire, behind it or the
+    collectives before it: the communication the caller's schedule left exposed), and
+    ``peer_wait_s`` before the last rank launched it (the ranks out of step: on two shared
+    cores mostly one rank's compute running slower than the other's)."""
 
     collectives: int = 0
     wire_s: float = 0.0
     cpu_s: float = 0.0
     by_kind: dict[str, int] = field(default_factory=dict)
     blocked_s: dict[str, float] = field(default_factory=dict)
+    peer_wait_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def cpu_per_wire(self) -> float:
@@ -139,6 +144,7 @@ class LinkStats:
             "cpu_per_wire": self.cpu_per_wire,
             "by_kind": dict(self.by_kind),
             "blocked_s": dict(self.blocked_s),
+            "peer_wait_s": dict(self.peer_wait_s),
         }
 
 
@@ -160,8 +166,9 @@ class _Launched:
 
 @dataclass(frozen=True)
 class LinkEvent:
-    """One collective's life on this rank (``time.monotonic_ns`` clock): launched, on the wire
-    from ``wire_start_ns`` to ``wire_end_ns``, waited from ``wait_begin_ns`` to
+    """One collective's life on this rank (``time.monotonic_ns`` clock): launched, launched by
+    the last rank at ``last_launch_ns``, on the wire from ``wire_start_ns`` to
+    ``wire_end_ns``, waited from ``wait_begin_ns`` to
     ``wait_end_ns`` (the time the caller was blocked), in ``phase``
     (:attr:`EmulatedLink.phase` at the wait). ``caller`` names the code that launched it
     (``module:qualified function``, and the nearest ``torch.nn.Module`` up the stack)."""
@@ -172,6 +179,7 @@ class LinkEvent:
     caller: str
     phase: str
     launch_ns: int
+    last_launch_ns: int
     wire_start_ns: int
     wire_end_ns: int
     wait_begin_ns: int
@@ -234,7 +242,8 @@ class EmulatedLink:
         self._resolved = 0
         self._head = 0
         self._wire_free_ns = 0
-        self._wire_ns: dict[int, tuple[int, int]] = {}
+        # Per resolved collective: (last rank's launch, wire start, wire end), in ns.
+        self._wire_ns: dict[int, tuple[int, int, int]] = {}
         self._pending: dict[int, _Launched] = {}
         self._in_ring: collections.deque[tuple[int, int]] = collections.deque()
         self._read: set[int] = set()
@@ -333,12 +342,17 @@ class EmulatedLink:
             return
         wait_begin = time.monotonic_ns()
         self._resolve_through(launched.sequence)
-        delay = (self._wire_ns[launched.sequence][1] - time.monotonic_ns()) / 1e9
+        delay = (self._wire_ns[launched.sequence][2] - time.monotonic_ns()) / 1e9
         if delay > 0:
             time.sleep(delay)
         wait_end = time.monotonic_ns()
-        blocked = self.stats.blocked_s
-        blocked[self.phase] = blocked.get(self.phase, 0.0) + (wait_end - wait_begin) / 1e9
+        last_launch = self._wire_ns[launched.sequence][0]
+        peer_wait = max(0, min(wait_end, last_launch) - wait_begin)
+        for seconds, counted in (
+            ((wait_end - wait_begin - peer_wait) / 1e9, self.stats.blocked_s),
+            (peer_wait / 1e9, self.stats.peer_wait_s),
+        ):
+            counted[self.phase] = counted.get(self.phase, 0.0) + seconds
         cpu = time.thread_time()
         sources = [
             self._contribution(rank, launched.offset, launched.nbytes)
@@ -373,7 +387,7 @@ class EmulatedLink:
         if not self._launched_by_all(launched.sequence):
             return False
         self._resolve_through(launched.sequence)
-        return time.monotonic_ns() >= self._wire_ns[launched.sequence][1]
+        return time.monotonic_ns() >= self._wire_ns[launched.sequence][2]
 
     def _resolve_through(self, sequence: int) -> None:
         """Completion times of every collective up to ``sequence``, in wire order.
@@ -396,10 +410,11 @@ class EmulatedLink:
                     "the same order"
                 )
             launches = (self._launch_word(r, current, _LAUNCH_NS) for r in range(self.world))
-            start = max(max(self._words[word] for word in launches), self._wire_free_ns)
+            last_launch = max(self._words[word] for word in launches)
+            start = max(last_launch, self._wire_free_ns)
             wire_s = self.model.wire_seconds(launched.kind, launched.nbytes, self.world)
             self._wire_free_ns = start + round(wire_s * 1e9)
-            self._wire_ns[current] = (start, self._wire_free_ns)
+            self._wire_ns[current] = (last_launch, start, self._wire_free_ns)
             self.stats.wire_s += wire_s
             self._resolved += 1
 
@@ -473,13 +488,18 @@ class EmulatedLink:
         return self._data[start : start + nbytes]
 
 
+#: Frames :func:`_caller` looks through: this module's, ``torch.distributed``'s, and Domino's
+#: generic launch machinery (its caller says which collective it is).
+_PLUMBING = (__name__, "torch.distributed", "megatron_domino.collectives", "torch.autograd")
+
+
 def _caller() -> str:
-    """``module:qualified function`` of the first frame outside this module and
-    ``torch.distributed``, and the class of the nearest ``torch.nn.Module`` method above it."""
+    """``module:qualified function`` of the first frame outside :data:`_PLUMBING`, and the
+    class of the nearest ``torch.nn.Module`` method above it."""
     frame, caller = sys._getframe(2), ""
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if not caller and module != __name__ and not module.startswith("torch.distributed"):
+        if not caller and not module.startswith(_PLUMBING):
             caller = f"{module}:{frame.f_code.co_qualname}"
         owner = frame.f_locals.get("self") if caller else None
         if isinstance(owner, torch.nn.Module):

@@ -21,7 +21,8 @@ With ``T_base`` (unpatched), ``T_dom`` (Domino), ``T_oracle`` (no TP communicati
   core busy, as on this CPU testbed, that time cannot overlap anything.
 * on the emulated link (:mod:`megatron_domino.tools.bench.emulated_link`) also
   ``blocked_fwd_s`` / ``blocked_bwd_s``: the seconds Domino's step (slowest rank) spent
-  blocked in waits, ``B_dom``, and the baseline's ``B_base``; and
+  blocked in waits once both ranks had launched, ``B_dom``, and the baseline's ``B_base``
+  (``peer_wait_*_s``: blocked before the other rank launched, the ranks out of step); and
   ``roofline_by_waits = (B_base - B_dom) / (B_base - max(0, T_comm - T_noop))`` per phase:
   the roofline efficiency with the exposed communication read off the waits instead of
   from differences of wall-time medians (a perfect schedule still waits where the phase's
@@ -115,6 +116,8 @@ def _by_waits(arms: dict, setting: str) -> dict:
         floor = max(0.0, _median(arms, comm, phase) - _median(arms, noop, phase))
         fields[f"baseline_blocked_{phase}_s"] = base
         fields[f"blocked_{phase}_s"] = dom
+        fields[f"baseline_peer_wait_{phase}_s"] = _median(arms, "baseline", f"peer_wait_{phase}")
+        fields[f"peer_wait_{phase}_s"] = _median(arms, arm, f"peer_wait_{phase}")
         fields[f"blocked_floor_{phase}_s"] = floor
         fields[f"roofline_by_waits_{phase}"] = (
             (base - dom) / (base - floor) if base > floor else float("nan")

@@ -102,20 +102,25 @@ def markdown_table(cases: list[dict]) -> str:
 
 WAITS_HEADER = (
     "\n| case | setting | blocked fwd ms (baseline) | blocked bwd ms (baseline) "
-    "| floor fwd / bwd ms | roofline by waits fwd | roofline by waits bwd |\n"
-    "|---|---|---|---|---|---|---|\n"
+    "| floor fwd / bwd ms | roofline by waits fwd | roofline by waits bwd "
+    "| peer wait fwd / bwd ms (baseline) |\n"
+    "|---|---|---|---|---|---|---|---|\n"
 )
 
 
 def _waits_table(cases: list[dict]) -> str:
-    """Emulated link: the time each setting's step was blocked in waits, per phase, against
-    the baseline's and the floor no schedule goes below (metrics' ``roofline_by_waits``)."""
+    """Emulated link: the time each setting's step was blocked in waits on the wire, per
+    phase, against the baseline's and the floor no schedule goes below (metrics'
+    ``roofline_by_waits``), and the time it waited for the other rank to launch."""
     lines = [
         f"| {case['name']} | {row['setting']} "
         f"| {row['blocked_fwd_s'] * 1e3:.0f} ({row['baseline_blocked_fwd_s'] * 1e3:.0f}) "
         f"| {row['blocked_bwd_s'] * 1e3:.0f} ({row['baseline_blocked_bwd_s'] * 1e3:.0f}) "
         f"| {row['blocked_floor_fwd_s'] * 1e3:.0f} / {row['blocked_floor_bwd_s'] * 1e3:.0f} "
-        f"| {row['roofline_by_waits_fwd']:.0%} | {row['roofline_by_waits_bwd']:.0%} |\n"
+        f"| {row['roofline_by_waits_fwd']:.0%} | {row['roofline_by_waits_bwd']:.0%} "
+        f"| {row['peer_wait_fwd_s'] * 1e3:.0f} / {row['peer_wait_bwd_s'] * 1e3:.0f} "
+        f"({row['baseline_peer_wait_fwd_s'] * 1e3:.0f} / "
+        f"{row['baseline_peer_wait_bwd_s'] * 1e3:.0f}) |\n"
         for case in cases
         for row in case["rows"]
         if "blocked_fwd_s" in row

@@ -79,15 +79,21 @@ def _batch(options: GPTOptions, micro_batch_size: int, device) -> dict:
     }
 
 
+#: The link's per-phase wait counters and the step parts they become.
+_LINK_WAITS = {"blocked_s": "blocked", "peer_wait_s": "peer_wait"}
+
+
 def _timed_step(
     model, batch, log: CollectiveLog | None = None, link: EmulatedLink | None = None
 ) -> dict[str, float]:
     """``fwd`` (forward + loss) and ``bwd`` wall seconds of one micro-batch, slowest rank's.
 
     ``log``, if given, is told which phase runs (for :func:`tp_collectives_logged`). With the
-    emulated ``link``, also ``blocked_fwd`` / ``blocked_bwd``: the seconds the slowest rank
-    spent blocked in waits on the link per phase, the communication the schedule left
-    exposed, measured without the noise of compute times.
+    emulated ``link``, also ``blocked_fwd`` / ``blocked_bwd``: the most seconds a rank spent
+    blocked in waits on the link per phase once every rank had launched (the communication
+    the schedule left exposed, measured without the noise of compute times), and
+    ``peer_wait_fwd`` / ``peer_wait_bwd``: blocked before the other rank had launched
+    (:class:`~megatron_domino.tools.bench.emulated_link.LinkStats`).
     """
     cuda = torch.cuda.is_available()
     model.zero_grad(set_to_none=True)
@@ -98,7 +104,7 @@ def _timed_step(
             log.phase = phase
         if link is not None:
             link.phase = phase
-            blocked_before = link.stats.blocked_s.get(phase, 0.0)
+            before = {name: link.stats.as_dict()[name].get(phase, 0.0) for name in _LINK_WAITS}
         start = time.perf_counter()
         if loss is None:
             loss = model(**batch).float().mean()
@@ -108,7 +114,9 @@ def _timed_step(
             torch.cuda.synchronize()
         parts[phase] = time.perf_counter() - start
         if link is not None:
-            parts[f"blocked_{phase}"] = link.stats.blocked_s.get(phase, 0.0) - blocked_before
+            for name, part in _LINK_WAITS.items():
+                after = link.stats.as_dict()[name].get(phase, 0.0)
+                parts[f"{part}_{phase}"] = after - before[name]
     if link is not None:
         link.phase = ""
     times = torch.tensor(list(parts.values()), dtype=torch.float64)
