@@ -20,8 +20,9 @@ With ``T_base`` (unpatched), ``T_dom`` (Domino), ``T_oracle`` (no TP communicati
   spends on those collectives (gloo's threads included): where compute already keeps every
   core busy, as on this CPU testbed, that time cannot overlap anything.
 * on the emulated link (:mod:`megatron_domino.tools.bench.emulated_link`) also
-  ``blocked_fwd_s`` / ``blocked_bwd_s``: the seconds Domino's step (slowest rank) spent
-  blocked in waits once both ranks had launched, ``B_dom``, and the baseline's ``B_base``
+  ``blocked_fwd_s`` / ``blocked_bwd_s``: the seconds Domino's step spent blocked in waits
+  once both ranks had launched (the least-blocked rank's, see the worker's ``_timed_step``),
+  ``B_dom``, and the baseline's ``B_base``
   (``peer_wait_*_s``: blocked before the other rank launched, the ranks out of step); and
   ``roofline_by_waits = (B_base - B_dom) / (B_base - max(0, T_comm - T_noop))`` per phase:
   the roofline efficiency with the exposed communication read off the waits instead of

@@ -89,10 +89,10 @@ def _timed_step(
     """``fwd`` (forward + loss) and ``bwd`` wall seconds of one micro-batch, slowest rank's.
 
     ``log``, if given, is told which phase runs (for :func:`tp_collectives_logged`). With the
-    emulated ``link``, also ``blocked_fwd`` / ``blocked_bwd``: the most seconds a rank spent
-    blocked in waits on the link per phase once every rank had launched (the communication
-    the schedule left exposed, measured without the noise of compute times), and
-    ``peer_wait_fwd`` / ``peer_wait_bwd``: blocked before the other rank had launched
+    emulated ``link``, also ``blocked_fwd`` / ``blocked_bwd``: the seconds the least-blocked
+    rank spent blocked in waits on the link per phase once every rank had launched (the
+    communication the schedule left exposed, measured without the noise of compute times),
+    and ``peer_wait_fwd`` / ``peer_wait_bwd``: the most a rank waited for the other to launch
     (:class:`~megatron_domino.tools.bench.emulated_link.LinkStats`).
     """
     cuda = torch.cuda.is_available()
@@ -119,9 +119,16 @@ def _timed_step(
                 parts[f"{part}_{phase}"] = after - before[name]
     if link is not None:
         link.phase = ""
-    times = torch.tensor(list(parts.values()), dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX)
-    return dict(zip(parts, times.tolist(), strict=True))
+    # The slowest rank's times and peer waits; the least-blocked rank's blocked time: a rank
+    # whose peer launched late waits for a wire that started late, which its own schedule
+    # did not cause, while the late rank's waits are what the wire imposed.
+    reduced = {}
+    for op, names in ((dist.ReduceOp.MAX, [n for n in parts if not n.startswith("blocked")]),
+                      (dist.ReduceOp.MIN, [n for n in parts if n.startswith("blocked")])):  # fmt: skip
+        values = torch.tensor([parts[name] for name in names], dtype=torch.float64)
+        dist.all_reduce(values, op=op)
+        reduced |= dict(zip(names, values.tolist(), strict=True))
+    return {name: reduced[name] for name in parts}
 
 
 def _peak_memory_bytes(model, batch) -> int:
