@@ -137,14 +137,14 @@ def _exposed_collectives(cases: list[dict]) -> str:
                 lines.append(
                     f"| {case['name']} | {arm} | {wait['phase']} | `{wait['caller']}` "
                     f"| {wait['kind']} | {wait['bytes']} | {wait['count']} "
-                    f"| {wait['blocked_ms']:.1f} |\n"
+                    f"| {wait['blocked_ms']:.1f} | {wait['peer_wait_ms']:.1f} |\n"
                 )
     if not lines:
         return ""
     header = (
         "\nWhere one traced step waited on the emulated link (rank 0):\n\n"
-        "| case | arm | phase | launched by | kind | bytes | count | blocked ms |\n"
-        "|---|---|---|---|---|---|---|---|\n"
+        "| case | arm | phase | launched by | kind | bytes | count | blocked ms "
+        "| peer wait ms |\n|---|---|---|---|---|---|---|---|---|\n"
     )
     return header + "".join(lines)
 

@@ -203,16 +203,19 @@ def _comm_only_step(log: CollectiveLog, tp_group, cpu_samples: dict):
 
 def _link_waits(model, batch, link: EmulatedLink) -> list[dict]:
     """One step on the emulated link, traced: per phase and launching code, how many
-    collectives, their bytes and the milliseconds this rank was blocked waiting for them.
-    What the schedule leaves exposed, Megatron-Core's own collectives included."""
+    collectives, their bytes and the milliseconds this rank was blocked waiting for them once
+    both ranks had launched (``blocked_ms``) and before (``peer_wait_ms``). What the schedule
+    leaves exposed, Megatron-Core's own collectives included."""
     link.trace = []
     _timed_step(model, batch, link=link)
     waits: dict[tuple, dict] = {}
     for event in link.trace:
         key = (event.phase, event.caller, event.kind, event.nbytes)
-        entry = waits.setdefault(key, {"count": 0, "blocked_ms": 0.0})
+        entry = waits.setdefault(key, {"count": 0, "blocked_ms": 0.0, "peer_wait_ms": 0.0})
+        peer_wait = max(0, min(event.wait_end_ns, event.last_launch_ns) - event.wait_begin_ns)
         entry["count"] += 1
-        entry["blocked_ms"] += (event.wait_end_ns - event.wait_begin_ns) / 1e6
+        entry["peer_wait_ms"] += peer_wait / 1e6
+        entry["blocked_ms"] += (event.wait_end_ns - event.wait_begin_ns - peer_wait) / 1e6
     link.trace = None
     return [
         {"phase": phase, "caller": caller, "kind": kind, "bytes": nbytes, **entry}
