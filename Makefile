@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 demo: $(STAMP)
 	$(VENV)/bin/megatron-domino-demo
