@@ -34,8 +34,7 @@ from megatron_domino.chunking import (
     to_chunk_major,
 )
 from megatron_domino.config import DominoUnsupportedError
-from megatron_domino.embedding_overlap import PendingEmbedding
-from megatron_domino.output_head import HeadHandoff
+from megatron_domino.end_handoffs import HeadHandoff, PendingEmbedding
 from megatron_domino.schedule import run_layers
 from megatron_domino.state import DominoRuntime
 
@@ -152,7 +151,7 @@ def _run_group(
     Splits the input into the chunks, runs the schedule, and joins them again; called again
     with the same input when a recomputed range is replayed in backward. With
     ``final_layernorm`` the chunks end with it and are handed to the output layer
-    (:class:`~megatron_domino.output_head.HeadHandoff`); with ``embeddings`` they start as the
+    (:class:`~megatron_domino.end_handoffs.HeadHandoff`); with ``embeddings`` they start as the
     embedding's chunks in flight (:mod:`megatron_domino.embedding_overlap`).
     """
     shards = runtime.tp_group.size() if runtime.sequence_parallel else 1

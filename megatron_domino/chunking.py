@@ -42,7 +42,7 @@ from megatron_domino.config import DominoConfig, DominoConfigError
 from megatron_domino.state import ChunkState
 
 if TYPE_CHECKING:
-    from megatron_domino.embedding_overlap import PendingEmbedding
+    from megatron_domino.end_handoffs import PendingEmbedding
 
 #: The dimension of ``[s, b, h]`` each split cuts.
 SPLIT_DIMS = {"batch": 1, "sequence": 0}
@@ -66,7 +66,7 @@ def make_chunks(
             ``t``: ``hidden_states`` is then this rank's ``[s/t, b, h]`` in the chunk-major
             layout of :func:`to_chunk_major`, while masks and rotary rows cover all ``s``.
         embeddings: the chunks' embeddings in flight
-            (:class:`~megatron_domino.embedding_overlap.EmbeddingHandoff`); ``hidden_states``
+            (:class:`~megatron_domino.end_handoffs.EmbeddingHandoff`); ``hidden_states``
             is then the embedding's placeholder, whose shape alone is read.
     Raises:
         DominoConfigError: the split dimension is not divisible by ``p``

@@ -9,11 +9,11 @@ Here the embedding's bound forward (:func:`embedding_forward`) runs the lookup w
 all-reduce held back (:func:`_partial_sum_returned`), splits the partial sum into the
 chunks (``[b/p, s, h]``, or ``[b, s/p, h]`` for the sequence split), launches each chunk's
 all-reduce, and returns a placeholder of the embedding's shape ``[s, b, h]`` (NaN: never
-read). The block takes the chunks from the :class:`EmbeddingHandoff` instead of splitting
+read). The block takes the chunks from the :class:`~megatron_domino.end_handoffs.EmbeddingHandoff` instead of splitting
 the placeholder, and each chunk's first op (layer 0's ``attention_norm``) waits for its
 all-reduce and then runs the rest of Megatron-Core's ``LanguageModelEmbedding.forward`` on
 its rows (position embeddings, ``[b, s, h] -> [s, b, h]``, fp32 residual, dropout), the
-word embedding answering with the reduced rows (:meth:`PendingEmbedding.finish`). Chunk
+word embedding answering with the reduced rows (:meth:`~megatron_domino.end_handoffs.PendingEmbedding.finish`). Chunk
 ``c``'s all-reduce flies while the chunks before it run their first ops; only chunk 0's
 (``1/p`` of the stock one) stays exposed.
 
@@ -29,7 +29,6 @@ layers' hidden dropout.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,6 +39,7 @@ from megatron.core.tensor_parallel import layers as megatron_layers
 from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 
 from megatron_domino.collectives import ForwardAllReduce
+from megatron_domino.end_handoffs import EmbeddingHandoff, PendingEmbedding
 from megatron_domino.recorder import CollectiveLabel
 
 if TYPE_CHECKING:
@@ -47,8 +47,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EMBEDDING_COLLECTIVE",
-    "EmbeddingHandoff",
-    "PendingEmbedding",
     "embedding_forward",
     "embedding_problems",
 ]
@@ -57,55 +55,6 @@ __all__ = [
 EMBEDDING_COLLECTIVE = "embedding_ar"
 #: The dimension of the embedding's ``[b, s, h]`` each split cuts.
 _PARTIAL_SPLIT_DIMS = {"batch": 0, "sequence": 1}
-
-
-@dataclass
-class PendingEmbedding:
-    """One chunk's embedding: its word-embedding all-reduce in flight, and what is left.
-
-    Attributes:
-        slot: the all-reduce of ``partial``.
-        partial: this rank's partial sum ``[b/p, s, h]`` (``[b, s/p, h]``), reduced in place.
-        embedding: the model's ``LanguageModelEmbedding``.
-        positions: the chunk's rows of the position embeddings (``[b/p or 1, s, h]``,
-            ``[b or 1, s/p, h]``), looked up once for the micro-batch so that their weight gets
-            one gradient as in stock, or ``None`` where the model has none.
-    """
-
-    slot: ForwardAllReduce
-    partial: torch.Tensor
-    embedding: LanguageModelEmbedding
-    positions: torch.Tensor | None
-
-    def finish(self) -> torch.Tensor:
-        """Wait for the all-reduce; the chunk's embeddings ``[s, b/p, h]`` (``[s/p, b, h]``),
-        by Megatron-Core's own ``LanguageModelEmbedding.forward``, its word and position
-        embeddings answering with the chunk's rows."""
-        self.slot.finish()
-        embedding = self.embedding
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(_answering(embedding.word_embeddings, self.partial))
-            if self.positions is not None:
-                stack.enter_context(_answering(embedding.position_embeddings, self.positions))
-            return LanguageModelEmbedding.forward(embedding, input_ids=None, position_ids=None)
-
-
-@contextlib.contextmanager
-def _answering(module: torch.nn.Module, rows: torch.Tensor):
-    """Within the block, calling ``module`` returns ``rows`` (its hooks still run)."""
-    module.forward = lambda *args, **kwargs: rows
-    try:
-        yield
-    finally:
-        del module.forward
-
-
-@dataclass(frozen=True)
-class EmbeddingHandoff:
-    """What the embedding hands the block: the placeholder it returned and the chunks."""
-
-    placeholder: torch.Tensor
-    chunks: tuple[PendingEmbedding, ...]
 
 
 def embedding_problems(model: torch.nn.Module, chunks: int) -> list[str]:

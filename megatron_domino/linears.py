@@ -1,4 +1,4 @@
-"""Megatron-Core's tensor-parallel linears under the schedule, and the row output in flight.
+"""Megatron-Core's tensor-parallel linears under the schedule.
 
 :mod:`megatron_domino.apply` binds these onto module instances (the class is left untouched,
 so other models in the process keep stock behaviour; :mod:`megatron_domino.plan` says which
@@ -8,11 +8,12 @@ every one of them runs the stock ``forward``.
 * **Row-parallel** (attention ``linear_proj``, MLP ``linear_fc2``): the schedule wants the
   GEMM one op later than Megatron's ``SelfAttention``/``MLP`` forward calls it, so that another
   chunk's work is issued in between. So the bound forward, :func:`capture_row_input`, runs
-  during the core op and only records what to compute (:class:`DeferredRow`); the projection
+  during the core op and only records what to compute (:class:`~megatron_domino.row_output.DeferredRow`); the projection
   op then calls :func:`row_projection`, which runs the GEMM (split into ``k`` pieces along
-  the output dimension ``h``, without any collective: :class:`RowGemm`) and launches each
+  the output dimension ``h``, without any collective: :class:`~megatron_domino.row_output.RowGemm`) and launches each
   piece's all-reduce, or under sequence parallelism its reduce-scatter, instead of Megatron's
-  blocking ``reduce_from_tensor_model_parallel_region``. It returns a :class:`PendingReduce`,
+  blocking ``reduce_from_tensor_model_parallel_region``. It returns a
+  :class:`~megatron_domino.row_output.PendingReduce`,
   which the next norm op waits for.
 * **Column-parallel** (``linear_qkv``, ``linear_fc1``), :func:`column_parallel_forward`: with
   backward overlap, the GEMM whose backward leaves the input-gradient all-reduce in flight
@@ -26,107 +27,21 @@ read ``[s/p, b, h]``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_domino.backward_overlap import column_linear_async_dgrad
-from megatron_domino.collectives import ForwardAllReduce, SequenceCollective
-from megatron_domino.column_pieces import column_piece_into_main_grad
 from megatron_domino.placeholder_grads import drop_placeholder_gradient
 from megatron_domino.recorder import CollectiveLabel, time_backward
+from megatron_domino.row_output import DeferredRow, PendingReduce, RowGemm, output_dtype_option
 from megatron_domino.saved_shards import keeping_input_shards
-from megatron_domino.sequence_parallel import launch_scatter, wait_scatter
 
 if TYPE_CHECKING:
     from megatron_domino.state import ChunkState, DominoRuntime
 
-__all__ = [
-    "LOCAL_ROW",
-    "DeferredRow",
-    "PendingReduce",
-    "RowGemm",
-    "capture_row_input",
-    "column_parallel_forward",
-    "output_dtype_option",
-    "row_projection",
-]
-
-
-@dataclass(frozen=True)
-class RowGemm:
-    """How one implementation's row-parallel linear computes this rank's partial sum.
-
-    Attributes:
-        partial: ``(module, input_, piece, pieces) -> (partial [s, b/p, h/pieces], bias the
-            linear returns or None)``, with no collective.
-        bias_after_reduce: ``module -> bias or None``: the bias added once to the reduced
-            output (a linear that does not return its bias separately, ``skip_bias_add=False``).
-    """
-
-    partial: Callable
-    bias_after_reduce: Callable[[torch.nn.Module], torch.Tensor | None]
-
-
-def output_dtype_option(module: torch.nn.Module) -> dict:
-    """``_forward_impl``'s ``output_dtype`` keyword for ``module``, where it has one.
-
-    Megatron-Core 0.20 (Megatron-LM ``main``) gave the local linears an ``output_dtype`` (a GEMM
-    output dtype other than the input's) that their ``forward`` passes to ``_forward_impl``;
-    0.19's have neither. Passing the module's own value keeps Domino's GEMM output the stock
-    one's on both.
-    """
-    return {"output_dtype": module.output_dtype} if hasattr(module, "output_dtype") else {}
-
-
-def _local_row_partial(
-    module: RowParallelLinear, input_: torch.Tensor, piece: int, pieces: int
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Piece ``piece`` of ``pieces`` of this rank's partial sum ``[s, b/p, h/pieces]``.
-
-    Megatron-Core's own GEMM path (frozen weights, main_grad accumulation), called by keyword:
-    the positional order changed between releases. A column piece (``pieces > 1``) of a
-    trained weight under gradient-accumulation fusion accumulates into its rows of main_grad
-    (:mod:`megatron_domino.column_pieces`); without fusion a weight slice's gradient flows
-    through autograd.
-    """
-    if pieces > 1 and module.gradient_accumulation_fusion and module.weight.requires_grad:
-        partial = column_piece_into_main_grad(input_, module.weight, piece, pieces)
-        return partial, module.bias if module.skip_bias_add else None
-    weight = module.weight.chunk(pieces, dim=0)[piece] if pieces > 1 else module.weight
-    partial = module._forward_impl(
-        input=input_,
-        weight=weight,
-        bias=None,
-        gradient_accumulation_fusion=module.gradient_accumulation_fusion and pieces == 1,
-        allreduce_dgrad=False,
-        sequence_parallel=False,
-        tp_group=None,
-        grad_output_buffer=None,
-        **output_dtype_option(module),
-    )
-    return partial, module.bias if module.skip_bias_add else None
-
-
-#: Megatron-Core's ``RowParallelLinear``.
-LOCAL_ROW = RowGemm(
-    partial=_local_row_partial,
-    bias_after_reduce=lambda module: None if module.skip_bias_add else module.bias,
-)
-
-
-@dataclass(frozen=True)
-class DeferredRow:
-    """A row-parallel linear call captured in a core op, run by the next projection op."""
-
-    module: torch.nn.Module
-    input_: torch.Tensor
-    """``[s, b/p, n/tp]``, this rank's slice of the attention context or MLP activation."""
-    gemm: RowGemm
+__all__ = ["capture_row_input", "column_parallel_forward", "row_projection"]
 
 
 def capture_row_input(
@@ -145,77 +60,6 @@ def capture_row_input(
         )
     step.active.deferred = DeferredRow(module, input_, gemm)
     return None, None
-
-
-class PendingReduce:
-    """The row-parallel output of one chunk whose collective(s) are in flight.
-
-    Holds ``k`` partial sums (one per column piece, each ``[s, b/p, h/k]``) and the means to
-    wait for them. Without sequence parallelism each piece is all-reduced in place; with it,
-    reduce-scattered along ``s`` to ``[s/tp, b/p, h/k]``. Reading a piece before :meth:`wait`
-    would read an unreduced partial sum, so pieces are only reachable through :meth:`wait`.
-
-    Args:
-        group: the tensor-parallel process group.
-        label: recorder label (collective name, layer, chunk).
-        bias: added after the reduction when the linear does not return its bias separately
-            (``skip_bias_add=False``), as Megatron-Core does.
-        scatter: reduce-scatter along the sequence instead of all-reducing.
-    """
-
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        label: CollectiveLabel,
-        bias: torch.Tensor | None = None,
-        scatter: bool = False,
-    ) -> None:
-        self._group = group
-        self._label = label
-        self._bias = bias
-        self._scatter = scatter
-        self._pieces: list[tuple[ForwardAllReduce | SequenceCollective, torch.Tensor]] = []
-
-    def launch(self, partial: torch.Tensor) -> None:
-        """Start the collective of the next column piece ``partial`` (``[s, b/p, h/k]``)."""
-        piece = len(self._pieces)
-        if self._scatter:
-            slot = SequenceCollective(self._group, self._label, piece)
-            self._pieces.append((slot, launch_scatter(partial, slot)))
-        else:
-            slot = ForwardAllReduce(self._group, self._label, piece)
-            self._pieces.append((slot, slot.launch(partial.contiguous())))
-
-    @property
-    def in_flight(self) -> bool:
-        return bool(self._pieces)
-
-    def wait(self, then_in_backward: Callable[[], None] | None = None) -> torch.Tensor:
-        """Wait for every piece; the reduced output ``[s or s/tp, b/p, h]`` (pieces joined on h).
-
-        Under sequence parallelism, ``then_in_backward`` runs in backward right after the
-        reduce-scatters' twins have launched their output-gradient all-gathers (the schedule
-        passes the launch of the chunk's column-linear input re-gather).
-        """
-        if not self._pieces:
-            raise RuntimeError(
-                f"{self._label.name} of layer {self._label.layer} chunk "
-                f"{self._label.chunk} was waited twice or never launched."
-            )
-        if then_in_backward is not None and not self._scatter:
-            raise RuntimeError("then_in_backward applies to reduce-scatters only.")
-        outputs = []
-        for index, (slot, in_flight) in enumerate(self._pieces):
-            if self._scatter:
-                # Piece 0's twin is the last of the pieces' to run in backward.
-                then = then_in_backward if index == 0 else None
-                outputs.append(wait_scatter(in_flight, slot, then))
-            else:
-                slot.finish()
-                outputs.append(in_flight)
-        self._pieces.clear()
-        output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
-        return output if self._bias is None else output + self._bias
 
 
 def row_projection(

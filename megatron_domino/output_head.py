@@ -16,7 +16,7 @@ all-reduce, last chunk first (the first whose backward runs), computes ``dW`` on
 micro-batch, and returns the chunks' gradients still in flight. Chunk ``p-1``'s wait comes
 first; while it and its last layer's backward run, the other chunks' all-reduces fly.
 
-The hand-off from the block to the output layer is a :class:`HeadHandoff` on the runtime: the
+The hand-off from the block to the output layer is a :class:`~megatron_domino.end_handoffs.HeadHandoff` on the runtime: the
 block records the joined output it returns with the chunk outputs behind it; the output layer's
 bound forward takes the hand-off only for that very tensor. A hand-off never taken leaves the
 waits with nothing in flight, so they pass the gradient through.
@@ -33,7 +33,6 @@ turns it off with the rest).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,11 +45,11 @@ from megatron_domino.collectives import DgradAllReduce
 from megatron_domino.recorder import CollectiveLabel
 
 if TYPE_CHECKING:
+    from megatron_domino.end_handoffs import HeadHandoff
     from megatron_domino.state import ChunkState, DominoRuntime
 
 __all__ = [
     "HEAD_COLLECTIVE",
-    "HeadHandoff",
     "output_layer_forward",
     "output_layer_problems",
     "place_head_wait",
@@ -58,24 +57,6 @@ __all__ = [
 
 #: The recorder's name for the output layer's per-chunk input-gradient all-reduce.
 HEAD_COLLECTIVE = "head_dgrad_ar"
-
-
-@dataclass(frozen=True)
-class HeadHandoff:
-    """What the block hands the output layer.
-
-    Attributes:
-        joined: the block's output ``[s, b, h]`` (after the final norm), as returned.
-        chunks: each chunk's final-norm output (``[s, b/p, h]`` for the batch split, the
-            chunk's tokens ``[s/p, b, h]`` for the sequence split), behind its backward wait.
-        slots: each chunk's input-gradient all-reduce, in chunk order.
-        split_dim: the dimension ``joined`` is the concatenation of ``chunks`` along.
-    """
-
-    joined: torch.Tensor
-    chunks: tuple[torch.Tensor, ...]
-    slots: tuple[DgradAllReduce, ...]
-    split_dim: int
 
 
 def output_layer_problems(model: torch.nn.Module, chunks: int) -> list[str]:
@@ -118,7 +99,7 @@ def output_layer_forward(
     runtime: DominoRuntime,
 ):
     """The bound ``forward`` of the output layer: the stock one, unless ``input_`` is the
-    block output of a :class:`HeadHandoff`, whose chunk gradients it then leaves in flight.
+    block output of a :class:`~megatron_domino.end_handoffs.HeadHandoff`, whose chunk gradients it then leaves in flight.
 
     Returns:
         ``(logits [s, b, V/tp], None)``, as Megatron-Core's forward with no bias.

@@ -20,7 +20,7 @@ target                             kind            Domino's forward (local / TE)
 ``self_attention.core_attention``  core_attention  under the sequence split only:
                                                    :func:`.chunk_attention.core_attention_forward`
 ``self_attention.linear_proj``     row             :func:`.linears.capture_row_input` with
-                                                   :data:`.linears.LOCAL_ROW` / :data:`.te_linears.TE_ROW`
+                                                   :data:`.row_output.LOCAL_ROW` / :data:`.te_linears.TE_ROW`
 ``mlp.linear_fc1``                 column          as ``linear_qkv``
 ``mlp.linear_fc2``                 row             as ``linear_proj``
 =================================  ==============  =======================================
@@ -45,8 +45,9 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron_domino.chunk_attention import core_attention_forward, local_attend, te_attend
 from megatron_domino.config import DominoConfig
 from megatron_domino.embedding_overlap import embedding_forward, embedding_problems
-from megatron_domino.linears import LOCAL_ROW, capture_row_input, column_parallel_forward
+from megatron_domino.linears import capture_row_input, column_parallel_forward
 from megatron_domino.output_head import output_layer_forward, output_layer_problems
+from megatron_domino.row_output import LOCAL_ROW
 from megatron_domino.te_linears import TE_ROW, te_column_parallel_forward
 
 __all__ = [

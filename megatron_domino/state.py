@@ -28,9 +28,8 @@ from megatron_domino.recorder import NULL_RECORDER, NullRecorder
 
 if TYPE_CHECKING:
     from megatron_domino.collectives import DgradAllReduce, SequenceCollective
-    from megatron_domino.embedding_overlap import EmbeddingHandoff, PendingEmbedding
-    from megatron_domino.linears import DeferredRow, PendingReduce
-    from megatron_domino.output_head import HeadHandoff
+    from megatron_domino.end_handoffs import EmbeddingHandoff, HeadHandoff, PendingEmbedding
+    from megatron_domino.row_output import DeferredRow, PendingReduce
     from megatron_domino.saved_shards import SavedInputRegather
 
 

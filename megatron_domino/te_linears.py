@@ -12,7 +12,7 @@ else TE does (FP8 casts, the fused norm, fused weight-gradient accumulation into
 asynchronously, as it does for Megatron's linears:
 
 * **Row-parallel** (``linear_proj``, ``linear_fc2``): the output's all-reduce (reduce-scatter
-  under sequence parallelism) becomes a :class:`~megatron_domino.linears.PendingReduce`,
+  under sequence parallelism) becomes a :class:`~megatron_domino.row_output.PendingReduce`,
   waited after another chunk's work (:data:`TE_ROW`, run by
   :func:`~megatron_domino.linears.row_projection`). The row linear's backward has
   no collective of its own once the all-gather of its output gradient (under SP) is done by
@@ -58,9 +58,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_domino.linears import RowGemm
 from megatron_domino.placeholder_grads import drop_placeholder_gradient
 from megatron_domino.recorder import time_backward
+from megatron_domino.row_output import RowGemm
 from megatron_domino.saved_shards import keeping_input_shards
 
 if TYPE_CHECKING:

@@ -75,7 +75,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from te_fp8_stand_in import Fp8Linear, quantize_weight
 
 from megatron_domino.harness.norms import SequenceParallelTorchNorm
-from megatron_domino.linears import output_dtype_option
+from megatron_domino.row_output import output_dtype_option
 from megatron_domino.te_spec import self_attention_spec, te_norms_apart_layer_spec
 
 #: How many fp8_autocast stand-ins are open (see ``tests/test_te_linears.py``); while one is,

@@ -24,8 +24,8 @@ from tiny_models import TINY
 
 from megatron_domino.config import DominoConfig
 from megatron_domino.harness.gpt_model import GPTOptions, transformer_config
-from megatron_domino.linears import LOCAL_ROW
 from megatron_domino.refusals import config_problems, layer_problems
+from megatron_domino.row_output import LOCAL_ROW
 
 
 class _RecordingRowLinear(SimpleNamespace):

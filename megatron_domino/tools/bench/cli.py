@@ -35,6 +35,7 @@ from pathlib import Path
 
 from megatron_domino.harness.model_options import GPTOptions
 from megatron_domino.harness.settings import setting
+from megatron_domino.tools.bench.cases import CASES, SETTINGS
 from megatron_domino.tools.bench.deepspeed_arm import deepspeed_problems
 from megatron_domino.tools.bench.gpu_scaling import (
     H100_NVLINK_BUSBW_GBS,
@@ -53,51 +54,6 @@ from megatron_domino.tools.bench.report import markdown_table, write_artefacts
 from megatron_domino.tools.bench.sdpa_attention import sdpa_problems
 from megatron_domino.tools.provenance import provenance
 
-#: Shapes where each chunk keeps 512 tokens (s * b / p at p = 2): smaller chunks lose CPU GEMM
-#: efficiency and pay for accumulating each weight gradient once per chunk, which is not the
-#: regime of real training (thousands of tokens per chunk). h = 1024 keeps gloo's CPU cost per
-#: byte small next to the wire time at a 25-45 % communication share.
-_MODEL = dict(
-    num_layers=4,
-    hidden_size=1024,
-    num_attention_heads=16,
-    seq_length=256,
-    vocab_size=1024,
-    attention_dropout=0.0,
-    hidden_dropout=0.0,
-)
-_LLAMA = dict(
-    _MODEL,
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    num_query_groups=4,
-    add_bias_linear=False,
-    ffn_hidden_size=2816,
-)
-#: The shape of the DeepSpeed comparison in ../shared/docs/deepspeed-domino.md (h = 512, ffn
-#: 2048, 8 heads): 256 tokens per chunk at p = 2, where per-chunk costs weigh more than at
-#: h = 1024.
-_MODEL_H512 = dict(_MODEL, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048)
-#: The Domino settings the benchmark runs (names: :mod:`megatron_domino.harness.settings`).
-SETTINGS = ("p2", "p4", "p2-k2", "p1-k2", "s2", "s4")
-_BATCH_SETTINGS = ("p2", "p4", "p2-k2", "p1-k2")
-#: Each case runs the settings it lists that were asked for. ``llama-h1024-mb1`` has the
-#: other cases' 1024 tokens per micro-batch in one sample, where only the column split and the
-#: sequence split have something to split.
-CASES = {
-    "gpt-h1024": dict(model=_MODEL, micro_batch_size=4, settings=_BATCH_SETTINGS),
-    "gpt-h512": dict(model=_MODEL_H512, micro_batch_size=4, settings=_BATCH_SETTINGS),
-    "llama-h1024": dict(model=_LLAMA, micro_batch_size=4, settings=_BATCH_SETTINGS),
-    "gpt-h1024-sp": dict(
-        model=dict(_MODEL, sequence_parallel=True), micro_batch_size=4, settings=_BATCH_SETTINGS
-    ),
-    "llama-h1024-mb1": dict(
-        model=dict(_LLAMA, seq_length=1024),
-        micro_batch_size=1,
-        settings=("p1-k2", "s2", "s4"),
-    ),
-}
 #: ``--link`` choices (module docstring).
 LINKS = ("shaped", "emulated")
 QUICK = dict(cases=["gpt-h1024"], settings=["p2", "p2-k2"], iters=5, warmup=1)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import statistics
 
+from megatron_domino.tools.bench.cases import SETTINGS
+
 __all__ = [
     "HOST_MODEL",
     "LLAMA_FLAVOUR",
@@ -171,8 +173,6 @@ def host_table(host: dict | None) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``python -m megatron_domino.tools.bench.host_time [--iters N]``: the host row alone."""
     import argparse
-
-    from megatron_domino.tools.bench.cli import SETTINGS
 
     parser = argparse.ArgumentParser(description="The bench's host-time row alone.")
     parser.add_argument("--iters", type=int, default=20, help="Round-robin rounds (median).")

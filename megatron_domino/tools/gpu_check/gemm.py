@@ -24,7 +24,7 @@ chunking overhead that the hidden communication has to pay for. What Domino runs
 GEMMs is timed with them, as it runs it:
 
 * **forward**: with ``k > 1`` each row-parallel GEMM's ``k`` piece outputs ``[s, b/p, h/k]``
-  are concatenated into ``[s, b/p, h]`` once reduced (``linears.PendingReduce.wait``);
+  are concatenated into ``[s, b/p, h]`` once reduced (``row_output.PendingReduce.wait``);
 * **backward, fused** (``bwd``: ``--gradient-accumulation-fusion``, Megatron-LM's default):
   ``dW += dy^T x`` straight into the weight's ``main_grad`` for every chunk, a piece into its
   rows (``column_pieces.py``); the placeholder gradient Domino's ``p k`` calls return is kept
