@@ -91,14 +91,14 @@ def test_layer_rows_and_totals_add_up():
     ]
     assert rows[0].in_flight_s == pytest.approx(0.016)
     assert rows[0].exposed_s == pytest.approx(0.004)
-    assert rows[0].hidden_fraction == pytest.approx(0.75)
-    assert rows[1].hidden_fraction == pytest.approx(0.5)
+    assert rows[0].overlap_share == pytest.approx(0.75)
+    assert rows[1].overlap_share == pytest.approx(0.5)
     totals = report_totals(spans)
     assert totals["collectives"] == 16 and totals["passes"] == 2
-    assert totals["fwd"]["hidden_fraction"] == pytest.approx(0.75)
-    assert totals["bwd"]["hidden_fraction"] == pytest.approx(0.5)
+    assert totals["fwd"]["overlap_share"] == pytest.approx(0.75)
+    assert totals["bwd"]["overlap_share"] == pytest.approx(0.5)
     # in flight: fwd 8 x 4 ms, bwd 8 x 2 ms; exposed: 8 x 1 ms each way.
-    assert totals["hidden_fraction"] == pytest.approx(1 - 0.016 / 0.048)
+    assert totals["overlap_share"] == pytest.approx(1 - 0.016 / 0.048)
     assert totals["overlapped"] == 14 and totals["not_hidden"] == 0
     json.dumps(totals)  # goes to --log-json as it is
     assert headline(totals) == (

@@ -6,8 +6,8 @@ iterations with an :class:`~megatron_domino.recorder.EventRecorder` and prints
 :func:`report_lines` after each.
 
 For every layer and direction the report gives the collectives' *in-flight* time (launch to
-end of wait), their *exposed* time (blocked in the wait) and the *hidden* fraction
-``1 - exposed / in_flight``. A collective whose ``overlapped_by`` is empty had no other
+end of wait), their *exposed* time (blocked in the wait) and the *overlap share*
+``1 - exposed / in_flight`` (:func:`~megatron_domino.analysis.spans.overlap_share`). A collective whose ``overlapped_by`` is empty had no other
 chunk's (or column piece's) compute between its launch and its wait: it hid nothing, and the
 report warns about it, one ``WARNING:`` line per collective. The exceptions, by design of the
 schedule: the last collective of each *pass* (one forward or one backward of one micro-batch,
@@ -15,9 +15,9 @@ see :func:`passes`), when nothing is left to compute, and the first waited of th
 ends (chunk 0's embedding all-reduce, the last chunk's output-layer one), before which no
 other chunk has anything to run. The ends get rows of their own, ``emb`` and ``head``.
 
-Reading the hidden fraction: the in-flight time includes the other chunks' compute that ran
+Reading the overlap share: the in-flight time includes the other chunks' compute that ran
 before the wait, so a collective that finished long before its wait counts as fully hidden.
-The fraction says how much of the flight the caller was not blocked; it is an upper bound on
+The share says how much of the flight the caller was not blocked; it is an upper bound on
 the share of the communication's own duration that was hidden (which the recorder cannot see:
 it sees launches and waits, not when the wire went idle).
 """
@@ -29,7 +29,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from megatron_domino.analysis.criteria import first_wait_of_an_end
-from megatron_domino.analysis.spans import CollectiveSpan, OverlapSummary, summarize
+from megatron_domino.analysis.spans import CollectiveSpan, OverlapSummary, overlap_share, summarize
 from megatron_domino.embedding_overlap import EMBEDDING_COLLECTIVE
 from megatron_domino.output_head import HEAD_COLLECTIVE
 
@@ -50,9 +50,9 @@ class LayerRow:
     exposed_s: float
 
     @property
-    def hidden_fraction(self) -> float:
-        """``1 - exposed / in_flight``: the share of the flight the caller was not blocked."""
-        return 1.0 - self.exposed_s / self.in_flight_s if self.in_flight_s > 0 else 0.0
+    def overlap_share(self) -> float | None:
+        """:func:`~megatron_domino.analysis.spans.overlap_share` of the row's collectives."""
+        return overlap_share(self.in_flight_s, self.exposed_s)
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def _totals_record(summary: OverlapSummary) -> dict:
         "overlapped": summary.overlapped,
         "in_flight_s": summary.in_flight_s,
         "exposed_s": summary.exposed_s,
-        "hidden_fraction": summary.overlapped_fraction if summary.in_flight_s > 0 else None,
+        "overlap_share": summary.overlap_share,
     }
 
 
@@ -163,7 +163,7 @@ def report_totals(spans: list[CollectiveSpan]) -> dict:
     """The report's totals as a JSON-ready dict: both directions, then ``fwd`` and ``bwd``.
 
     Keys: ``collectives``, ``overlapped`` (collectives with some overlapping compute),
-    ``in_flight_s``, ``exposed_s``, ``hidden_fraction`` (``None`` with nothing in flight),
+    ``in_flight_s``, ``exposed_s``, ``overlap_share`` (``None`` with nothing in flight),
     ``passes``, ``not_hidden`` (collectives warned about), ``fwd`` and ``bwd`` (the first five
     keys per direction).
     """
@@ -183,12 +183,12 @@ def headline(totals: dict) -> str:
     """One sentence from :func:`report_totals` (or its JSON record), e.g. ``73.2% of the
     in-flight time of 48 collectives overlapped compute (fwd 80.1%, bwd 66.0%)``."""
     parts = ", ".join(
-        f"{d} {_percent(totals[d]['hidden_fraction'])}"
+        f"{d} {_percent(totals[d]['overlap_share'])}"
         for d in DIRECTIONS
         if totals[d]["collectives"]
     )
     return (
-        f"{_percent(totals['hidden_fraction'])} of the in-flight time of "
+        f"{_percent(totals['overlap_share'])} of the in-flight time of "
         f"{totals['collectives']} collectives overlapped compute ({parts or 'none recorded'})"
     )
 
@@ -234,7 +234,7 @@ def report_lines(
     lines = [
         f"{title}: {headline(totals)}; {totals['passes']} passes",
         f"  {'layer':>5}  {'dir':<3}  {'collectives':>11}  {'in flight (ms)':>14}  "
-        f"{'exposed (ms)':>12}  {'hidden':>7}",
+        f"{'exposed (ms)':>12}  {'overlap':>7}",
     ]
 
     rows = [
@@ -246,10 +246,9 @@ def report_lines(
         if t["collectives"]
     ]
     for label, direction, collectives, in_flight_s, exposed_s in rows:
-        hidden = 1.0 - exposed_s / in_flight_s if in_flight_s > 0 else None
         lines.append(
             f"  {label:>5}  {direction:<3}  {collectives:>11}  {in_flight_s * 1e3:>14.3f}  "
-            f"{exposed_s * 1e3:>12.3f}  {_percent(hidden):>7}"
+            f"{exposed_s * 1e3:>12.3f}  {_percent(overlap_share(in_flight_s, exposed_s)):>7}"
         )
     with_pieces = any(s.piece for s in spans)
     lonely_lasts = [s for s in map(last_of_pass, passes(spans)) if not s.overlapped_by]

@@ -100,6 +100,19 @@ def collective_spans(events: list[Event]) -> list[CollectiveSpan]:
     return spans
 
 
+def overlap_share(in_flight_s: float, exposed_s: float) -> float | None:
+    """The recorder's **overlap share**, ``1 - exposed / in_flight``: the share of collectives'
+    in-flight time (launch to end of wait) during which the caller was not blocked in a wait;
+    ``None`` with nothing in flight.
+
+    Not the bench's *hidden fraction* (:mod:`megatron_domino.tools.bench.metrics`, from step
+    times against a run without communication): this one is read off launches and waits, so it
+    is an upper bound on the share of the communication's own duration that was hidden (a
+    collective that finished long before its wait counts as fully overlapped).
+    """
+    return 1.0 - exposed_s / in_flight_s if in_flight_s > 0 else None
+
+
 @dataclass(frozen=True)
 class OverlapSummary:
     """Totals over a set of spans (one direction, or both)."""
@@ -110,9 +123,9 @@ class OverlapSummary:
     in_flight_s: float
 
     @property
-    def overlapped_fraction(self) -> float:
-        """Share of the in-flight time during which the caller was not blocked waiting."""
-        return 1.0 - self.exposed_s / self.in_flight_s if self.in_flight_s > 0 else 0.0
+    def overlap_share(self) -> float | None:
+        """:func:`overlap_share` of these spans."""
+        return overlap_share(self.in_flight_s, self.exposed_s)
 
 
 def summarize(spans: list[CollectiveSpan], direction: str | None = None) -> OverlapSummary:

@@ -15,7 +15,7 @@ rank (the one that writes ``--log-json``) prints its report
 ``{"kind": "domino_report", "iteration", ...}``. The reported iterations pay for recording
 (a Python call per event, a CUDA event on GPU), so their times are slightly higher.
 
-The hidden share is of Domino's own collectives' flight: it says nothing about whether the
+The overlap share is of Domino's own collectives' flight: it says nothing about whether the
 run is faster than stock (a run can hide 40 % and still be slower, the chunks costing more
 than the waits they remove). So each report ends with a line *against stock*: with
 ``--domino-ab`` the comparison's result (stock's and Domino's step time and exposed TP wait,
@@ -119,7 +119,7 @@ class DominoOverlapReport:
         (no ``--domino-ab``, or a resumed run too short for it)."""
         if self._against_stock is None or not self._against_stock.done:
             return (
-                "[domino-report] against stock: not timed in this run. The hidden share above "
+                "[domino-report] against stock: not timed in this run. The overlap share above "
                 "is of Domino's own collectives, not a speed-up (the chunks cost time too): "
                 "add --domino-ab N to time stock and Domino alternately in this run."
             )

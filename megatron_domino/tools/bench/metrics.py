@@ -34,9 +34,14 @@ With ``T_base`` (unpatched), ``T_dom`` (Domino), ``T_oracle`` (no TP communicati
   DeepSpeed-Domino (its row has the same metrics, from its own no-op and comm-only arms)
 * ``chunk_overhead = T_noop / T_oracle``
 * ``peak_mem_ratio`` = Domino's peak memory over the baseline's
+* ``recorder_overlap_share_fwd`` / ``_bwd``: the recorder's overlap share of one traced
+  Domino step (:func:`~megatron_domino.analysis.spans.overlap_share`, from launches and
+  waits), a different number from ``hidden_fraction`` (from step times)
 """
 
 from __future__ import annotations
+
+from megatron_domino.analysis.spans import overlap_share
 
 #: The row of DeepSpeed's own Domino (``deepspeed.runtime.domino``), where a case runs it.
 DEEPSPEED = "deepspeed"
@@ -64,8 +69,8 @@ ROW_FIELDS = (
     "roofline_efficiency_bwd",
     "collectives",
     "arms",
-    "recorder_overlapped_fraction_fwd",
-    "recorder_overlapped_fraction_bwd",
+    "recorder_overlap_share_fwd",
+    "recorder_overlap_share_bwd",
 )
 
 
@@ -155,8 +160,8 @@ def _row(result: dict, setting: str, domino: dict) -> dict:
         "roofline_efficiency_bwd": _roofline(arms, setting, "bwd"),
         "collectives": result["collectives"][setting],
         "arms": {name: arms[name]["total"] for name in ("baseline", "oracle", arm, noop, comm)},
-        "recorder_overlapped_fraction_fwd": _overlapped(overlap["fwd"]) if overlap else None,
-        "recorder_overlapped_fraction_bwd": _overlapped(overlap["bwd"]) if overlap else None,
+        "recorder_overlap_share_fwd": _recorder_share(overlap, "fwd"),
+        "recorder_overlap_share_bwd": _recorder_share(overlap, "bwd"),
     }
     row |= _by_waits(arms, setting)
     if DEEPSPEED in arms:
@@ -173,10 +178,12 @@ def setting_rows(result: dict) -> list[dict]:
     return rows
 
 
-def _overlapped(summary: dict) -> float:
-    """Share of the collectives' in-flight time the caller did not spend blocked in a wait."""
-    flight = summary["in_flight_s"]
-    return 1 - summary["exposed_s"] / flight if flight > 0 else float("nan")
+def _recorder_share(overlap: dict | None, direction: str) -> float | None:
+    """The recorder's :func:`~megatron_domino.analysis.spans.overlap_share` of one direction
+    of a traced Domino step (``None`` without a trace or with nothing in flight)."""
+    if not overlap:
+        return None
+    return overlap_share(overlap[direction]["in_flight_s"], overlap[direction]["exposed_s"])
 
 
 def auto_check(result: dict) -> dict | None:
