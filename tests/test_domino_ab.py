@@ -51,9 +51,9 @@ def test_the_report_ends_against_stock_or_says_it_was_not_timed():
     ab = DominoAB("p2", 1)
     for seconds in (1.0, 1.0, 0.5, 0.4):
         ab.record(seconds, 0.01)
-    with_ab = DominoOverlapReport(lambda: [], 1, against_stock=ab).against_stock_line()
+    with_ab = DominoOverlapReport(lambda: [], 1, lambda: 4, against_stock=ab).against_stock_line()
     assert with_ab == f"[domino-report] against stock (--domino-ab, this run): {ab.line()}"
-    without = DominoOverlapReport(lambda: [], 1).against_stock_line()
+    without = DominoOverlapReport(lambda: [], 1, lambda: 4).against_stock_line()
     assert "not timed in this run" in without and "add --domino-ab N" in without
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 from types import SimpleNamespace
 
-import megatron.training
 import pytest
 import torch
 
@@ -39,7 +38,6 @@ class _FakeHook:
 
 @pytest.fixture
 def single_rank(monkeypatch):
-    monkeypatch.setattr(megatron.training, "get_args", lambda: SimpleNamespace(train_iters=8))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
     monkeypatch.setattr(loop_hooks, "_slowest", lambda *values: list(values))
@@ -64,7 +62,7 @@ def test_no_device_sync_without_a_timing_output(single_rank, tmp_path):
 
 def test_domino_ab_switches_between_steps_and_says_the_answer(single_rank, tmp_path, capsys):
     hook, log = _FakeHook(), tmp_path / "log.jsonl"
-    hooks = loop_hooks.LoopHooks(str(log), None, hook, DominoAB("p2", 2))
+    hooks = loop_hooks.LoopHooks(str(log), 8, None, hook, DominoAB("p2", 2))
     hooks._tp_wait = SimpleNamespace(measuring=contextlib.nullcontext, take=lambda: 0.01)
     _run(hooks, 8)
     # Domino (warm-up), stock (warm-up), then Domino and stock twice, then Domino for good.
@@ -77,8 +75,9 @@ def test_domino_ab_switches_between_steps_and_says_the_answer(single_rank, tmp_p
 
 def test_a_resumed_run_too_short_for_the_ab_says_so_and_trains_on(single_rank, capsys):
     hook = _FakeHook()
-    report = DominoOverlapReport(lambda: [], 1, against_stock=DominoAB("p2", 2))
-    hooks = loop_hooks.LoopHooks(None, report, hook, report._against_stock)
+    ab = DominoAB("p2", 2)
+    report = DominoOverlapReport(lambda: [], 1, lambda: 8, against_stock=ab)
+    hooks = loop_hooks.LoopHooks(None, 8, report, hook, ab)
     _run(hooks, 4, first=4)  # resumed at iteration 4 of 8: 4 left, 6 needed
     assert hook.switches == [] and hooks._domino_ab is None
     out = capsys.readouterr().out

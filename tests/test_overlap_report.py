@@ -7,7 +7,6 @@ import json
 import sys
 from types import SimpleNamespace
 
-import megatron.training
 import pytest
 import torch
 from launch import TINY_GPT, run_pretrain
@@ -165,10 +164,7 @@ def test_forward_only_recording_says_why_backward_is_missing():
 
 def reported(first: int, train_iters: int, count: int, monkeypatch) -> list[int]:
     """The iterations a report of ``count`` records in a run from ``first`` to ``train_iters``."""
-    monkeypatch.setattr(
-        megatron.training, "get_args", lambda: SimpleNamespace(train_iters=train_iters)
-    )
-    report = DominoOverlapReport(lambda: [], count)
+    report = DominoOverlapReport(lambda: [], count, lambda: train_iters)
     return [i for i in range(first, train_iters + 1) if report._reported(i)]
 
 
@@ -179,17 +175,15 @@ def test_reported_iterations_skip_the_warm_up(monkeypatch):
 
 
 def test_the_recorder_is_attached_only_for_reported_steps(monkeypatch, capsys):
-    monkeypatch.setattr(megatron.training, "get_args", lambda: SimpleNamespace(train_iters=4))
     monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
     chunks = [SimpleNamespace(recorder=NULL_RECORDER), SimpleNamespace(recorder=NULL_RECORDER)]
-    report = DominoOverlapReport(lambda: chunks, 2)
+    report = DominoOverlapReport(lambda: chunks, 2, lambda: 4)
     seen, written = {}, []
     for iteration in (1, 2, 3, 4):
-        with report.recording(iteration):
+        with report.reporting(iteration, written.append):
             seen[iteration] = [chunk.recorder for chunk in chunks]
         assert all(chunk.recorder is NULL_RECORDER for chunk in chunks)
-        report.report(iteration, written.append)
     assert seen[1] == seen[4] == [NULL_RECORDER] * 2
     assert isinstance(seen[2][0], EventRecorder) and seen[2][0] is seen[2][1]  # one per step
     assert seen[2][0] is not seen[3][0]
@@ -198,9 +192,10 @@ def test_the_recorder_is_attached_only_for_reported_steps(monkeypatch, capsys):
         ("domino_report", 3),
     ]
     assert "[domino-report] iteration 3 (wall clock, rank 0): " in capsys.readouterr().out
-    with pytest.raises(RuntimeError), report.recording(2):
+    with pytest.raises(RuntimeError), report.reporting(2, written.append):
         raise RuntimeError("a failed step")
     assert all(chunk.recorder is NULL_RECORDER for chunk in chunks)
+    assert len(written) == 2  # a failed step is not reported
 
 
 BASE = (

@@ -22,10 +22,16 @@ than the waits they remove). So each report ends with a line *against stock*: wi
 Domino's chunking cost; the report then records after it), and without it a line that says
 no stock reference was timed and how to get one; the ``domino_report`` record carries the
 same as ``against_stock`` (``None`` without ``--domino-ab``).
+
+This module owns the flag: its arguments (:func:`add_domino_report_args`), their checks
+(:func:`domino_report_problems`), the report built from them
+(:meth:`DominoOverlapReport.from_args`) and its one call per iteration
+(:meth:`DominoOverlapReport.reporting`, around the loop's step).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 from collections.abc import Callable, Iterator
 
@@ -37,6 +43,49 @@ from megatron_domino.recorder import EventRecorder
 from megatron_domino.state import DominoRuntime
 from megatron_domino.training.domino_ab import DominoAB
 
+__all__ = [
+    "DominoOverlapReport",
+    "add_domino_report_args",
+    "domino_report_problems",
+    "steps_after_comparison",
+]
+
+
+def add_domino_report_args(group: argparse._ArgumentGroup) -> None:
+    """``--domino-report`` and ``--domino-report-iters`` (flags of this project's entry points,
+    not Megatron-LM's), into the loop hooks' argument ``group``."""
+    group.add_argument(
+        "--domino-report",
+        action="store_true",
+        help="With --domino: record the collectives of a few iterations after the first and "
+        "print, per layer and direction, their in-flight and exposed time and overlap share; "
+        "totals go to --log-json. With --domino-ab it records after the comparison and ends "
+        "with its stock-vs-Domino numbers (overlap is not a speed-up by itself).",
+    )
+    group.add_argument(
+        "--domino-report-iters",
+        type=int,
+        default=3,
+        metavar="N",
+        help="How many iterations --domino-report records. Default: 3.",
+    )
+
+
+def domino_report_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with the report's flags (empty when nothing), at argument time."""
+    problems = []
+    if args.domino_report and not args.domino:
+        problems.append("--domino-report reports Domino's overlap; add --domino.")
+    if args.domino_report_iters < 1:
+        problems.append(f"--domino-report-iters must be >= 1, got {args.domino_report_iters}.")
+    return problems
+
+
+def steps_after_comparison(args: argparse.Namespace) -> int:
+    """Training iterations the report needs after a ``--domino-ab`` comparison (it records
+    after it, the first of them a warm-up), 0 without ``--domino-report``."""
+    return args.domino_report_iters + 1 if args.domino_report else 0
+
 
 class DominoOverlapReport:
     """Records and reports ``count`` iterations after the run's first (its warm-up).
@@ -45,6 +94,8 @@ class DominoOverlapReport:
         runtimes: the Domino runtimes of this rank's model chunks; read when recording starts
             (the model is built after the report is created).
         count: how many iterations to record (``--domino-report-iters``).
+        train_iters: the run's last iteration, read at its first step (Megatron-LM derives
+            ``args.train_iters`` from ``--train-samples`` inside ``pretrain()``).
         against_stock: the run's ``--domino-ab`` comparison (done before the report
             records), or ``None``.
     """
@@ -53,21 +104,35 @@ class DominoOverlapReport:
         self,
         runtimes: Callable[[], list[DominoRuntime]],
         count: int,
+        train_iters: Callable[[], int],
         against_stock: DominoAB | None = None,
     ) -> None:
         self._runtimes = runtimes
         self._count = count
+        self._train_iters = train_iters
         self._against_stock = against_stock
         self._iterations: range | None = None
-        self._recorded: dict[int, EventRecorder] = {}
+
+    @classmethod
+    def from_args(
+        cls, args: argparse.Namespace, domino_hook, against_stock: DominoAB | None
+    ) -> DominoOverlapReport | None:
+        """The report ``args`` ask for on the model chunks of ``domino_hook`` (Domino's model
+        hook, or ``None`` without ``--domino``), or ``None``."""
+        if domino_hook is None or not args.domino_report:
+            return None
+        return cls(
+            lambda: [handle.runtime for handle in domino_hook.handles],
+            args.domino_report_iters,
+            lambda: args.train_iters,
+            against_stock=against_stock,
+        )
 
     def _reported(self, iteration: int) -> bool:
         """Whether to record ``iteration``; the first call is the run's first step (fresh or
         resumed). A run of a single step reports that one: a report with warm-up beats none."""
         if self._iterations is None:
-            from megatron.training import get_args
-
-            last = get_args().train_iters
+            last = self._train_iters()
             if iteration >= last:
                 self._iterations = range(iteration, last + 1)
             else:
@@ -75,8 +140,10 @@ class DominoOverlapReport:
         return iteration in self._iterations
 
     @contextlib.contextmanager
-    def recording(self, iteration: int) -> Iterator[None]:
-        """Record the body (one optimizer step) if ``iteration`` is reported."""
+    def reporting(self, iteration: int, write: Callable[[dict], None]) -> Iterator[None]:
+        """Around the body (one optimizer step, and what the loop writes of it): if
+        ``iteration`` is reported, record it, then print its report and ``write`` its totals.
+        A step that raises is neither reported nor left recording."""
         if not self._reported(iteration):
             yield
             return
@@ -90,13 +157,11 @@ class DominoOverlapReport:
         finally:
             for runtime, recorder_before in zip(runtimes, previous, strict=True):
                 runtime.recorder = recorder_before
-        self._recorded[iteration] = recorder
+        self._report(iteration, recorder, write)
 
-    def report(self, iteration: int, write: Callable[[dict], None]) -> None:
-        """Print the report of ``iteration``, if recorded, and ``write`` its totals."""
-        recorder = self._recorded.pop(iteration, None)
-        if recorder is None:
-            return
+    def _report(
+        self, iteration: int, recorder: EventRecorder, write: Callable[[dict], None]
+    ) -> None:
         spans = collective_spans(recorder.events())
         clock = "CUDA events" if recorder.use_cuda_events else "wall clock"
         ab = self._against_stock if self._against_stock and self._against_stock.done else None

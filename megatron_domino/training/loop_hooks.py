@@ -45,6 +45,12 @@ from megatron.training import training as megatron_training
 from megatron_domino.config import AUTO
 from megatron_domino.harness.patch import Patch
 from megatron_domino.training.domino_ab import STOCK, DominoAB
+from megatron_domino.training.domino_report import (
+    DominoOverlapReport,
+    add_domino_report_args,
+    domino_report_problems,
+    steps_after_comparison,
+)
 from megatron_domino.training.runs import append_record
 from megatron_domino.training.tp_wait import TPWaitClock
 
@@ -52,7 +58,8 @@ __all__ = ["LoopHooks", "add_loop_hook_args", "loop_hook_problems"]
 
 
 def add_loop_hook_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``--log-json`` and ``--domino-report`` (flags of this script, not Megatron-LM's)."""
+    """``--log-json``, ``--domino-report`` (:mod:`.domino_report`'s) and ``--domino-ab``
+    (flags of this project's entry points, not Megatron-LM's)."""
     group = parser.add_argument_group("megatron-domino logging")
     group.add_argument(
         "--log-json",
@@ -61,21 +68,7 @@ def add_loop_hook_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         help="Append one JSON line per training iteration (loss, grad norm, learning rate, "
         "seconds) and per evaluation to PATH, unaveraged, for step-by-step comparisons.",
     )
-    group.add_argument(
-        "--domino-report",
-        action="store_true",
-        help="With --domino: record the collectives of a few iterations after the first and "
-        "print, per layer and direction, their in-flight, exposed and hidden time; totals go "
-        "to --log-json. With --domino-ab it records after the comparison and ends with its "
-        "stock-vs-Domino numbers (hidden time is not a speed-up by itself).",
-    )
-    group.add_argument(
-        "--domino-report-iters",
-        type=int,
-        default=3,
-        metavar="N",
-        help="How many iterations --domino-report records. Default: 3.",
-    )
+    add_domino_report_args(group)
     group.add_argument(
         "--domino-ab",
         type=int,
@@ -94,11 +87,7 @@ def loop_hook_problems(args: argparse.Namespace) -> list[str]:
     """What is wrong with the flags of :func:`add_loop_hook_args` (empty when nothing).
 
     Checked at argument time by both entry points, before anything is written."""
-    problems = []
-    if args.domino_report and not args.domino:
-        problems.append("--domino-report reports Domino's overlap; add --domino.")
-    if args.domino_report_iters < 1:
-        problems.append(f"--domino-report-iters must be >= 1, got {args.domino_report_iters}.")
+    problems = domino_report_problems(args)
     if args.domino_ab < 0:
         problems.append(f"--domino-ab must be >= 0 (0: off), got {args.domino_ab}.")
     if args.domino_ab <= 0:
@@ -111,13 +100,10 @@ def loop_hook_problems(args: argparse.Namespace) -> list[str]:
             "switches settings on the same first steps: give --domino-chunks a number, or "
             "drop --domino-ab (auto prints every candidate's time)."
         )
-    needed = DominoAB.steps_needed(args.domino_ab)
-    if args.domino_report:
-        needed += args.domino_report_iters + 1  # the report records after the comparison
+    after = steps_after_comparison(args)
+    needed = DominoAB.steps_needed(args.domino_ab) + after
     if args.train_iters is not None and args.train_iters < needed:
-        also = (
-            f" and {args.domino_report_iters + 1} for --domino-report" if args.domino_report else ""
-        )
+        also = f" and {after} for --domino-report" if after else ""
         problems.append(
             f"--domino-ab {args.domino_ab} needs {DominoAB.steps_needed(args.domino_ab)} "
             f"training iterations (a warm-up step of each arm, then {args.domino_ab} each)"
@@ -151,6 +137,8 @@ class LoopHooks:
 
     Args:
         log_json: path of the JSON-lines file (``--log-json``), or ``None``.
+        train_iters: the run's last iteration (``--train-iters``; ``None`` for
+            ``--train-samples``, which ``--domino-ab`` refuses).
         domino_report: the overlap report (``--domino-report``), or ``None``.
         domino_hook: Domino's model hook, whose tuner (``--domino-chunks auto``) gets the
             step times and which switches between stock and Domino for ``domino_ab``;
@@ -161,11 +149,13 @@ class LoopHooks:
     def __init__(
         self,
         log_json: str | None,
-        domino_report=None,
+        train_iters: int | None = None,
+        domino_report: DominoOverlapReport | None = None,
         domino_hook=None,
         domino_ab: DominoAB | None = None,
     ) -> None:
         self._log_json = Path(log_json) if log_json else None
+        self._train_iters = train_iters
         self._domino_report = domino_report
         self._domino_hook = domino_hook
         self._domino_ab = domino_ab
@@ -179,20 +169,13 @@ class LoopHooks:
     def from_args(cls, args: argparse.Namespace, domino_hook=None) -> LoopHooks:
         """The hooks ``args`` ask for (flags checked by :func:`loop_hook_problems`), around
         ``domino_hook`` (:func:`~megatron_domino.megatron_lm.add_hook`'s, or ``None``)."""
-        report = domino_ab = None
+        domino_ab = None
         if domino_hook is not None and args.domino_ab > 0:
             from megatron_domino.autotune import setting_name
 
             domino_ab = DominoAB(setting_name(domino_hook.config), args.domino_ab)
-        if domino_hook is not None and args.domino_report:
-            from megatron_domino.training.domino_report import DominoOverlapReport
-
-            report = DominoOverlapReport(
-                lambda: [handle.runtime for handle in domino_hook.handles],
-                args.domino_report_iters,
-                against_stock=domino_ab,
-            )
-        return cls(args.log_json, report, domino_hook, domino_ab)
+        report = DominoOverlapReport.from_args(args, domino_hook, domino_ab)
+        return cls(args.log_json, args.train_iters, report, domino_hook, domino_ab)
 
     def patches(self) -> tuple[Patch, ...]:
         return (
@@ -224,7 +207,7 @@ class LoopHooks:
         timed = self._log_json is not None or tuning or comparing
         with contextlib.ExitStack() as around:
             if report is not None:
-                around.enter_context(report.recording(step))
+                around.enter_context(report.reporting(step, self.write))
             if comparing:
                 around.enter_context(self._tp_wait.measuring())
             if timed:
@@ -234,6 +217,15 @@ class LoopHooks:
             if timed:
                 _synchronize()
             seconds = time.perf_counter() - start
+            self._write_train(step, result, learning_rate, seconds)  # before the step's report
+        if tuning:
+            self._tune(step, seconds)
+        elif comparing:
+            self._compare(step, seconds)
+        return result
+
+    def _write_train(self, step: int, result, learning_rate: float, seconds: float) -> None:
+        """The step's ``train`` record from ``train_step``'s result (where it has the loss)."""
         loss_dict, skipped, grad_norm = result[0], result[1], result[5]
         if "lm loss" in loss_dict:
             self.write(
@@ -247,13 +239,6 @@ class LoopHooks:
                     "seconds": seconds,
                 }
             )
-        if tuning:
-            self._tune(step, seconds)
-        elif comparing:
-            self._compare(step, seconds)
-        elif report is not None:
-            report.report(step, self.write)
-        return result
 
     def _tune(self, step: int, seconds: float) -> None:
         """Feed the slowest rank's step time to the tuner; say what it chose when done."""
@@ -268,9 +253,7 @@ class LoopHooks:
         """At the first step: whether the run has the steps ``--domino-ab`` needs left (a
         resumed run may not; argument time checked ``--train-iters`` from iteration 0).
         If not, say so on rank 0 and drop the comparison; the run trains on with Domino."""
-        from megatron.training import get_args
-
-        left = get_args().train_iters - iteration
+        left = self._train_iters - iteration
         if left >= self._domino_ab.steps_left:
             return True
         if torch.distributed.get_rank() == 0:
