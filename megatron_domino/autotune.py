@@ -21,13 +21,21 @@ must feed the same times (the slowest rank's), so every rank switches to the sam
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from megatron_domino.config import AUTO, DominoConfig, DominoConfigError
 
-__all__ = ["AUTO", "AutoTuner", "NoCandidateError", "candidate_configs", "setting_name"]
+__all__ = [
+    "AUTO",
+    "AutoTuner",
+    "NoCandidateError",
+    "add_auto_tune_args",
+    "candidate_configs",
+    "setting_name",
+]
 
 #: (split, chunks, column chunks) tried, cheapest-looking first.
 _CANDIDATES = (
@@ -102,6 +110,19 @@ class Trial:
         return statistics.median(self.seconds)
 
 
+def add_auto_tune_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--domino-auto-iters``: the tuner's measured rounds (:meth:`AutoTuner.from_args`)."""
+    parser.add_argument_group("domino auto-tuning").add_argument(
+        "--domino-auto-iters",
+        type=int,
+        default=3,
+        metavar="N",
+        help="With --domino-chunks auto: measured iterations per candidate setting (each "
+        "after one unmeasured warm-up iteration); the candidates run in rounds. Default: 3.",
+    )
+    return parser
+
+
 class AutoTuner:
     """Runs every candidate for ``warmup_rounds + rounds`` rounds, then the fastest.
 
@@ -130,6 +151,16 @@ class AutoTuner:
         self._warmup_rounds = warmup_rounds
         self._iteration = 0
         self._total = (rounds + warmup_rounds) * len(self.candidates)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, candidates: list[DominoConfig]) -> AutoTuner:
+        """The tuner of ``--domino-chunks auto`` over ``candidates``, ``--domino-auto-iters``
+        rounds each; a count below 1 is refused naming the flag."""
+        if args.domino_auto_iters < 1:
+            raise DominoConfigError(
+                f"--domino-auto-iters must be >= 1, got {args.domino_auto_iters}."
+            )
+        return cls(candidates, rounds=args.domino_auto_iters)
 
     def __repr__(self) -> str:
         names = ", ".join(setting_name(config) for config in self.candidates)

@@ -244,14 +244,6 @@ def add_domino_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                 metavar="N|auto" if meta.get("auto") else "N",
                 help=meta["help"] + f" Default: {f.default}.",
             )
-    group.add_argument(
-        "--domino-auto-iters",
-        type=int,
-        default=3,
-        metavar="N",
-        help="With --domino-chunks auto: measured iterations per candidate setting (each "
-        "after one unmeasured warm-up iteration); the candidates run in rounds. Default: 3.",
-    )
     return parser
 
 

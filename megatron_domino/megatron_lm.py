@@ -40,7 +40,7 @@ from typing import NoReturn
 import torch
 
 from megatron_domino.apply import DominoHandle, apply_domino
-from megatron_domino.autotune import AutoTuner, candidate_configs
+from megatron_domino.autotune import AutoTuner, add_auto_tune_args, candidate_configs
 from megatron_domino.config import (
     AUTO,
     DominoConfig,
@@ -118,15 +118,11 @@ def check_args(args: argparse.Namespace) -> DominoConfig | AutoTuner | None:
 
     if args.domino_chunks == AUTO:
         raise_problems(fsdp)
-        if args.domino_auto_iters < 1:
-            raise DominoConfigError(
-                f"--domino-auto-iters must be >= 1, got {args.domino_auto_iters}."
-            )
         candidates, _ = candidate_configs(
             lambda config: config.shape_problems(**shapes) + refusals(config),
             **DominoConfig.auto_fields(args),
         )
-        return AutoTuner(candidates, rounds=args.domino_auto_iters)
+        return AutoTuner.from_args(args, candidates)
     config = DominoConfig.from_args(args)
     config.check_shapes(**shapes)
     raise_problems(refusals(config) + fsdp)
@@ -210,14 +206,15 @@ def add_hook(model_config, config: DominoConfig | AutoTuner) -> DominoModelHook:
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The patch's ``extra_args_provider`` part: ``--domino*`` (:func:`add_domino_args`), the
-    loop's ``--log-json``/``--domino-report``/``--domino-ab``
+    """The ``extra_args_provider`` part of both entry points (the patch's and
+    ``pretrain_gpt_domino.py``'s): ``--domino*`` (:func:`add_domino_args`,
+    :func:`~megatron_domino.autotune.add_auto_tune_args`), the loop's ``--log-json``/``--domino-report``/``--domino-ab``
     (:func:`~megatron_domino.training.loop_hooks.add_loop_hook_args`), and help strings that
     ``--help`` can print (:func:`~megatron_domino.parser_help.escape_help`)."""
     from megatron_domino.parser_help import escape_help
     from megatron_domino.training.loop_hooks import add_loop_hook_args
 
-    return escape_help(add_loop_hook_args(add_domino_args(parser)))
+    return escape_help(add_loop_hook_args(add_auto_tune_args(add_domino_args(parser))))
 
 
 def help_lists_domino() -> None:

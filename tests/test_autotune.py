@@ -12,7 +12,13 @@ import argparse
 
 import pytest
 
-from megatron_domino.autotune import AutoTuner, NoCandidateError, candidate_configs, setting_name
+from megatron_domino.autotune import (
+    AutoTuner,
+    NoCandidateError,
+    add_auto_tune_args,
+    candidate_configs,
+    setting_name,
+)
 from megatron_domino.config import DominoConfig, DominoConfigError, add_domino_args
 
 P2, P4, P1K2 = (
@@ -81,7 +87,7 @@ def test_no_candidate_names_each_reason_once_with_its_settings():
 
 
 def _parse(*flags: str) -> argparse.Namespace:
-    return add_domino_args(argparse.ArgumentParser()).parse_args(list(flags))
+    return add_auto_tune_args(add_domino_args(argparse.ArgumentParser())).parse_args(list(flags))
 
 
 def test_the_flag_takes_a_number_or_auto():
@@ -103,3 +109,10 @@ def test_auto_is_not_one_config_and_owns_the_split_and_the_column_chunks():
 
 
 # The patch's refusal of auto: tests/test_patch_api.py (through the functions it calls).
+
+
+def test_the_rounds_come_from_their_flag_and_a_count_below_one_is_refused():
+    candidates = [DominoConfig(chunks=2)]
+    assert AutoTuner.from_args(_parse("--domino-auto-iters", "2"), candidates).iterations == 3
+    with pytest.raises(DominoConfigError, match="--domino-auto-iters must be >= 1, got 0"):
+        AutoTuner.from_args(_parse("--domino-auto-iters", "0"), candidates)

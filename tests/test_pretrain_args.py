@@ -147,7 +147,7 @@ def test_refused_combinations_name_the_problem_and_the_fix(monkeypatch, extra, e
 
 
 #: Fully sharded data parallelism gathers each layer's parameters in hooks on the layer
-#: module, which Domino never calls (``integration.fsdp_problems``).
+#: module, which Domino never calls (``refusals.fsdp_problems``).
 FSDP_REFUSED = "never calls (it runs the layer's submodules itself"
 
 
@@ -218,8 +218,8 @@ def test_megatron_parses_every_megatron_lm_flag_with_its_meaning(monkeypatch):
     # Megatron-LM's own default, not a CPU one: the CPU flags in TINY_GPT set it to local.
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt_domino.py", "--num-layers", "2"])
     assert megatron_arguments.parse_args(entry._extra_args).transformer_impl == "transformer_engine"
-    # Without --domino, of Domino only its flags (config.py, parser_help.py) and the version
-    # check import.
+    # Without --domino, of Domino only its flags (config.py, autotune.py, parser_help.py) and
+    # the version check import.
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     done = subprocess.run(
         [sys.executable, "-c", _BASELINE_IMPORTS], capture_output=True, text=True, env=env
@@ -228,7 +228,12 @@ def test_megatron_parses_every_megatron_lm_flag_with_its_meaning(monkeypatch):
     modules = done.stdout.strip().splitlines()[-1].split()
     subpackages = {f"megatron_domino.{name}" for name in ("data", "harness", "training")}
     library = {name for name in modules if name.count(".") == 1} - subpackages
-    expected = {"megatron_domino.config", "megatron_domino.parser_help", "megatron_domino.version"}
+    expected = {
+        "megatron_domino.autotune",
+        "megatron_domino.config",
+        "megatron_domino.parser_help",
+        "megatron_domino.version",
+    }
     assert library == expected, library
 
 

@@ -34,14 +34,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_domino.analysis.report import report_lines, report_totals
-from megatron_domino.analysis.spans import collective_spans
-from megatron_domino.recorder import EventRecorder
-from megatron_domino.state import DominoRuntime
 from megatron_domino.training.domino_ab import DominoAB
+
+if TYPE_CHECKING:
+    from megatron_domino.recorder import EventRecorder
+    from megatron_domino.state import DominoRuntime
 
 __all__ = [
     "DominoOverlapReport",
@@ -147,6 +148,10 @@ class DominoOverlapReport:
         if not self._reported(iteration):
             yield
             return
+        # Imported here, as the report's other library modules: the flags above are parsed
+        # on runs without --domino too, which import none of the library.
+        from megatron_domino.recorder import EventRecorder
+
         recorder = EventRecorder()
         runtimes = self._runtimes()
         previous = [runtime.recorder for runtime in runtimes]
@@ -162,6 +167,9 @@ class DominoOverlapReport:
     def _report(
         self, iteration: int, recorder: EventRecorder, write: Callable[[dict], None]
     ) -> None:
+        from megatron_domino.analysis.report import report_lines, report_totals
+        from megatron_domino.analysis.spans import collective_spans
+
         spans = collective_spans(recorder.events())
         clock = "CUDA events" if recorder.use_cuda_events else "wall clock"
         ab = self._against_stock if self._against_stock and self._against_stock.done else None

@@ -4,8 +4,9 @@ The order is Megatron-LM's, with Domino's pieces where Megatron-LM leaves room f
 
 1. the Megatron-Core that is imported is checked against the tested releases;
 2. Megatron's own ``parse_and_validate_args`` parses every Megatron-LM flag, with
-   ``extra_args_provider`` adding ``--domino*`` (:func:`~megatron_domino.config.add_domino_args`)
-   and this script's ``--log-json``/``--domino-report``/``--domino-ab``; right after Megatron's
+   ``extra_args_provider`` adding ``--domino*`` and this script's
+   ``--log-json``/``--domino-report``/``--domino-ab`` (those of
+   :func:`~megatron_domino.megatron_lm.add_args`, the patch's); right after Megatron's
    ``validate_args``, and before it builds the tokenizer or opens any log, the checks run:
    with ``--domino`` Domino's (:func:`~megatron_domino.megatron_lm.check_args`, which builds
    the one :class:`~megatron_domino.config.DominoConfig` of the run), the flags this GPT path
@@ -42,6 +43,7 @@ from megatron.training import arguments as megatron_arguments
 from megatron.training import pretrain
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 
+from megatron_domino.autotune import add_auto_tune_args
 from megatron_domino.config import (
     DominoConfig,
     DominoConfigError,
@@ -73,7 +75,9 @@ class StartupError(ValueError):
 
 
 def _extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    return escape_help(add_loop_hook_args(add_domino_args(parser)))
+    """The flags of :func:`~megatron_domino.megatron_lm.add_args` (the patch's), without
+    importing the library behind them: a run without ``--domino`` imports none of it."""
+    return escape_help(add_loop_hook_args(add_auto_tune_args(add_domino_args(parser))))
 
 
 def _script_checks(args: argparse.Namespace) -> DominoConfig | None:
