@@ -51,10 +51,6 @@ class DominoHandle:
         self.runtime = runtime
         self._patched = patched
 
-    @property
-    def active(self) -> bool:
-        return bool(self._patched)
-
     def revert(self) -> None:
         """Restore every patched module's stock ``forward``."""
         if not self._patched:

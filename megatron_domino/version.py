@@ -37,10 +37,10 @@ LAST_COMMIT_FOR_MEGATRON_CORE_0_16 = "53915d8"
 #: what TE saves for backward (FP8 weights as plain uint8 data/transpose), how
 #: ``is_first_microbatch`` caches FP8 weights, ``get_dummy_wgrad``'s shared placeholder, the
 #: SP gather of the norm output and the per-call ``parallel_mode``/``sequence_parallel`` and
-#: mask types, all read from TE v2.18's source (unchanged at 2.20's development head;
-#: ``docs/te-contract.md`` in the project brief). Older TE saves and caches differently (1.x
-#: saves FP8 weights as ``Float8Tensor``), which the saved-shard pack hook and the FP8
-#: weight-cache handling were not written against. No TE has run Domino's CPU suite (TE needs
+#: mask types, all read from TE v2.18's source (unchanged at 2.20's development head; the
+#: project's notes, ``../shared/docs/te-contract.md`` beside the checkout). Older TE saves and
+#: caches differently (1.x saves FP8 weights as ``Float8Tensor``), which the saved-shard pack
+#: hook and the FP8 weight-cache handling were not written against. No TE has run Domino's CPU suite (TE needs
 #: CUDA); the GPU check (``megatron-domino-gpu-check``) runs it on real TE.
 TE_MIN_VERSION = Version("2.18.0")
 

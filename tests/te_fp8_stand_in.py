@@ -1,7 +1,7 @@
 """Transformer Engine 2.x's FP8 weight contract, modelled on the CPU for the TE stand-ins.
 
 Read from TransformerEngine ``v2.18`` (``transformer_engine/pytorch/``; facts and line numbers
-also in ``shared/docs/te-contract.md``). What a Domino schedule can break is not FP8 arithmetic
+also in ``../shared/docs/te-contract.md``). What a Domino schedule can break is not FP8 arithmetic
 but what TE caches, saves and overwrites, so that is what this models, in plain torch:
 
 * **The weight cast and its cache** (:func:`quantize_weight`). ``module/linear.py:1883`` (and

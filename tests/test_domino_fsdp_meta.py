@@ -1,6 +1,6 @@
 """Domino with Megatron-LM's sharded data parallelism and meta-device initialisation.
 
-* **Fully sharded data parallelism is refused** (:func:`megatron_domino.apply.fsdp_problems`):
+* **Fully sharded data parallelism is refused** (:func:`megatron_domino.refusals.fsdp_problems`):
   FSDP gathers each layer's parameters in hooks on the ``TransformerLayer`` module, which
   Domino never calls. Checked with PyTorch's own ``fully_shard`` (FSDP2, on a CPU mesh over the
   data-parallel group) applied after Domino (the first forward refuses; without the check it

@@ -94,7 +94,7 @@ def exports(output: str) -> dict[str, str]:
 
 
 def read_model(name: str) -> dict[str, str]:
-    """examples/models/NAME.env as a dict (KEY=VALUE lines, '#' comments)."""
+    """examples/models/<name>.env as a dict (KEY=VALUE lines, '#' comments)."""
     config = {}
     for line in (EXAMPLES / "models" / f"{name}.env").read_text().splitlines():
         line = line.split("#", 1)[0].strip()

@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import torch.multiprocessing as mp
 
-__all__ = ["RankFailure", "run_ranks"]
+__all__ = ["RankFailure", "import_target", "run_ranks"]
 
 _POLL_S = 1.0
 
@@ -57,7 +57,9 @@ def _device_env(device: str) -> dict[str, str]:
     return {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
-def _resolve(target: str):
+def import_target(target: str):
+    """The object a ``"module:name"`` string names, imported now (how :func:`run_ranks` takes
+    its function, so that only the ranks import it)."""
     module, _, name = target.partition(":")
     return getattr(importlib.import_module(module), name)
 
@@ -102,7 +104,7 @@ def _rank_main(
         if device == "cpu":
             torch.set_num_threads(1)
             torch.set_num_interop_threads(1)
-        fn = _resolve(target)
+        fn = import_target(target)
         if init == "plain":
             dist.init_process_group(
                 "gloo",

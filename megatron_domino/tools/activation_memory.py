@@ -184,7 +184,7 @@ def measure_on_rank(
     from megatron_domino.apply import apply_domino
     from megatron_domino.config import DominoConfig
     from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
-    from megatron_domino.harness.ranks import _resolve
+    from megatron_domino.harness.ranks import import_target
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     found = {}
@@ -192,8 +192,8 @@ def measure_on_rank(
         options = GPTOptions(**_model(shape, tp))
         batch = token_batch(options, micro_batch)
         spec = IMPLS[impl]
-        gpt = build_gpt_model(options, spec=_resolve(spec)() if spec else None)
-        fp8 = _resolve(FP8_CONTEXT) if precision == "fp8" else contextlib.nullcontext
+        gpt = build_gpt_model(options, spec=import_target(spec)() if spec else None)
+        fp8 = import_target(FP8_CONTEXT) if precision == "fp8" else contextlib.nullcontext
         fused = precision == "fp8"
         stock = _account(gpt, batch, fp8, fused_wgrad=fused)
         with apply_domino(gpt, DominoConfig(chunks=chunks)):

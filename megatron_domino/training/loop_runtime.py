@@ -1,7 +1,7 @@
 """What Megatron-LM's own training loop (``megatron.training.pretrain``) needs to run from the
 ``megatron-core`` wheel, and to run on a machine without CUDA.
 
-Two sets of :class:`~megatron_domino.harness.cpu_runtime.Patch` es, each undone on exit:
+Two sets of :class:`~megatron_domino.harness.patch.Patch` es, each undone on exit:
 
 * :data:`WHEEL_PATCHES`, on every machine: ``initialize_megatron`` compiles the dataset index
   helpers with ``make`` in ``megatron/core/datasets``, but the wheel ships them prebuilt

@@ -56,8 +56,8 @@ def host_time_rank(
     device: str, model: dict, arms_by_micro_batch: dict, warmup: int, iters: int
 ) -> dict | None:
     """Entry point for :func:`~megatron_domino.harness.ranks.run_ranks` (``init="megatron"``,
-    TP = 2). ``model``: :class:`GPTOptions` fields; ``arms_by_micro_batch``: ``{b: ["stock",
-    setting name, ...]}``. Rank 0 returns ``{"rows": [...], "options": model}``, one row per
+    TP = 2). ``model``: :class:`~megatron_domino.harness.model_options.GPTOptions` fields;
+    ``arms_by_micro_batch``: ``{b: ["stock", setting name, ...]}``. Rank 0 returns ``{"rows": [...], "options": model}``, one row per
     (b, arm) with per-layer ``host_ms`` (median), ``device_ms`` and ``queued_host_ms`` (CUDA
     only, else ``None``) and ``aten_ops``; rank 1 returns ``None`` at once."""
     import torch

@@ -1,4 +1,5 @@
-"""The benchmark's derived numbers, from one case's arm timings (see docs/domino.md sec. 6).
+"""The benchmark's derived numbers, from one case's arm timings (see the project's notes,
+``../shared/docs/domino.md`` beside the checkout, sec. 6).
 
 With ``T_base`` (unpatched), ``T_dom`` (Domino), ``T_oracle`` (no TP communication) and
 ``T_noop`` (Domino with no-op collectives), all medians of the same work:

@@ -38,7 +38,8 @@ SHAPES = {"cuda": (4096, 8, 3584, 4096), "cpu": (128, 4, 256, 64)}
 
 
 def model_fields(device: str) -> dict:
-    """:class:`GPTOptions` fields of the measured model on ``device`` (module docstring)."""
+    """:class:`~megatron_domino.harness.model_options.GPTOptions` fields of the measured model
+    on ``device`` (module docstring)."""
     hidden, heads, ffn, seq = SHAPES[device]
     return dict(
         num_layers=LAYERS,

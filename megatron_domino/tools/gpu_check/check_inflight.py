@@ -14,9 +14,10 @@ while NCCL still reads it), and make the compute stream wait at ``wait()``. Each
    freed blocks first);
 4. wait, and compare the result with the expected one (world size 1: the input itself).
 
-Cases: :class:`~megatron_domino.collectives.ForwardAllReduce` (the :class:`InFlight` base's
-launch, record, wait), :class:`~megatron_domino.collectives.SequenceCollective`'s all-gather
-and reduce-scatter of non-contiguous inputs, and
+Cases: :class:`~megatron_domino.collectives.ForwardAllReduce` (the
+:class:`~megatron_domino.collectives.InFlight` base's launch, record, wait),
+:class:`~megatron_domino.collectives.SequenceCollective`'s all-gather and reduce-scatter of
+non-contiguous inputs, and
 :class:`~megatron_domino.saved_shards.SavedInputRegather`: a column linear's call keeping only
 its shards, re-gathered in backward; its gradients must equal those of the same call without
 it. On the CPU the same code runs on gloo, where nothing is asynchronous in this sense: it
