@@ -193,6 +193,52 @@ def _runnable(items, collectives: Collectives, name_of) -> tuple[list, list[tupl
     return runnable, skipped
 
 
+def _model_part(
+    target: str,
+    *,
+    name: str,
+    title: str,
+    budget_s: float,
+    device: str,
+    args: tuple,
+    notes: list[str],
+    skipped_cases: list[str],
+    merge: Callable[[list], list[dict]],
+    failure: Callable[[dict], str],
+    outcome: Callable[[list[dict], list], tuple[str, dict, str]],
+) -> PartResult:
+    """Parts 1 and 2: ``target`` on the TP ranks within the budget, its per-rank results
+    ``merge``d into rows that each passed or not, judged into one result.
+
+    Args:
+        failure: the words naming a failed row in the part's reason.
+        outcome: ``(rows, per-rank results) -> (summary, details, table)`` of the part.
+    """
+    start = time.monotonic()
+    per_rank, failed_part = run_part_ranks(
+        target, name=name, title=title, budget_s=budget_s, device=device, args=args, notes=notes
+    )
+    if failed_part is not None:
+        failed_part.skipped_cases = skipped_cases
+        return failed_part
+    rows = merge(per_rank)
+    failed = [row for row in rows if not row["passed"]]
+    summary, details, table = outcome(rows, per_rank)
+    return PartResult(
+        name=name,
+        title=title,
+        status="failed" if failed else "passed",
+        summary=summary,
+        reason="failed: " + "; ".join(map(failure, failed)) if failed else None,
+        elapsed_s=time.monotonic() - start,
+        budget_s=budget_s,
+        notes=notes,
+        skipped_cases=skipped_cases,
+        details=details,
+        table=table,
+    )
+
+
 def run_equivalence(
     device: str, quick: bool, collectives: Collectives, budget_s: float
 ) -> PartResult:
@@ -219,8 +265,19 @@ def run_equivalence(
         f"equivalence: {len(cases)} cases on 2 ranks ({device}), budget {budget_s:.0f} s, "
         f"staged: {', '.join(collectives.staged) or 'nothing'}"
     )
-    start = time.monotonic()
-    per_rank, failed_part = run_part_ranks(
+
+    def outcome(rows: list[dict], per_rank: list) -> tuple[str, dict, str]:
+        summary = check_equivalence.summary(rows, len(cases))
+        if skipped:
+            summary += f"; {len(skipped)} cases skipped"
+        details = {
+            "cases": rows,
+            "skipped": [dict(c, missing=m) for c, m in skipped],
+            "numerics": per_rank[0]["numerics"],
+        }
+        return summary, details, check_equivalence.table(rows)
+
+    return _model_part(
         "megatron_domino.tools.gpu_check.check_equivalence:equivalence_rank",
         name="equivalence",
         title=title,
@@ -228,35 +285,10 @@ def run_equivalence(
         device=device,
         args=(cases, device, quick, list(collectives.staged)),
         notes=notes,
-    )
-    if failed_part is not None:
-        failed_part.skipped_cases = skipped_cases
-        return failed_part
-    rows = check_equivalence.merge_ranks(per_rank)
-    failed = [r for r in rows if not r["passed"]]
-    summary = check_equivalence.summary(rows, len(cases))
-    if skipped:
-        summary += f"; {len(skipped)} cases skipped"
-    return PartResult(
-        name="equivalence",
-        title=title,
-        status="failed" if failed else "passed",
-        summary=summary,
-        reason=(
-            "failed: " + "; ".join(f"{r['flavour']} {r['dtype']} {r['setting']}" for r in failed)
-            if failed
-            else None
-        ),
-        elapsed_s=time.monotonic() - start,
-        budget_s=budget_s,
-        notes=notes,
         skipped_cases=skipped_cases,
-        details={
-            "cases": rows,
-            "skipped": [dict(c, missing=m) for c, m in skipped],
-            "numerics": per_rank[0]["numerics"],
-        },
-        table=check_equivalence.table(rows),
+        merge=check_equivalence.merge_ranks,
+        failure=lambda r: f"{r['flavour']} {r['dtype']} {r['setting']}",
+        outcome=outcome,
     )
 
 
@@ -277,8 +309,13 @@ def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: fl
         return _skipped("overlap", title, reason, budget_s, notes, skipped_cases)
     timing = "CUDA events" if device == "cuda" else "wall clock"
     say(f"overlap: {', '.join(settings)} on 2 ranks, {timing}, budget {budget_s:.0f} s")
-    start = time.monotonic()
-    per_rank, failed_part = run_part_ranks(
+    notes.append(
+        "exposed/in-flight times are two ranks on one GPU over gloo (reductions on the host), "
+        "not NVLink: a plausibility check of the recorder, not Domino's speed-up."
+        if device == "cuda"
+        else "exposed/in-flight times are CPU wall clock over loopback gloo."
+    )
+    return _model_part(
         "megatron_domino.tools.gpu_check.check_overlap:overlap_rank",
         name="overlap",
         title=title,
@@ -286,37 +323,14 @@ def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: fl
         device=device,
         args=(settings, device, quick, list(collectives.staged)),
         notes=notes,
-    )
-    if failed_part is not None:
-        failed_part.skipped_cases = skipped_cases
-        return failed_part
-    rows = check_overlap.merge_ranks(per_rank)
-    failed = [r for r in rows if not r["passed"]]
-    summary = check_overlap.summary(rows, timing)
-    notes.append(
-        (
-            "exposed/in-flight times are two ranks on one GPU over gloo (reductions on the "
-            "host), not NVLink: a plausibility check of the recorder, not Domino's speed-up."
-        )
-        if device == "cuda"
-        else "exposed/in-flight times are CPU wall clock over loopback gloo."
-    )
-    return PartResult(
-        name="overlap",
-        title=title,
-        status="failed" if failed else "passed",
-        summary=summary,
-        reason=(
-            "failed: " + "; ".join(f"{r['setting']}: {r['problems'][0]}" for r in failed)
-            if failed
-            else None
-        ),
-        elapsed_s=time.monotonic() - start,
-        budget_s=budget_s,
-        notes=notes,
         skipped_cases=skipped_cases,
-        details={"settings": rows, "skipped": [s for s, _ in skipped]},
-        table=check_overlap.table(rows),
+        merge=check_overlap.merge_ranks,
+        failure=lambda r: f"{r['setting']}: {r['problems'][0]}",
+        outcome=lambda rows, _: (
+            check_overlap.summary(rows, timing),
+            {"settings": rows, "skipped": [s for s, _ in skipped]},
+            check_overlap.table(rows),
+        ),
     )
 
 
