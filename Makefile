@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench gpu-check lint clean
+.PHONY: install test test-fast demo bench gpu-check lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || { python=$$(PYTHON='$(PYTHON)' scripts/find_python.sh) && echo "creating $(VENV) with $$python" \
@@ -23,6 +23,12 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=30 tests
+
+# The developer's loop before a commit (tests/README.md): the unit tier and the core claims.
+FAST_TESTS := tests/unit tests/ranks/test_domino_overlap.py \
+	tests/ranks/test_domino_equivalence.py::test_every_setting_matches_stock_megatron_at_tp2
+test-fast: $(STAMP)
+	$(PY) -m pytest -q $(FAST_TESTS)
 
 demo: $(STAMP)
 	$(VENV)/bin/megatron-domino-demo

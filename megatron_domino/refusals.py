@@ -69,7 +69,7 @@ REFUSED_FEATURES = (
         lambda v: v == "full_iteration",
         "--cuda-graph-impl full_iteration waits for a GPU to capture and replay a Domino step "
         "(megatron-domino-gpu-check --parts capture; the CPU-side checks pass, "
-        "tests/test_capture_safety.py); set --cuda-graph-impl none until then",
+        "tests/ranks/test_capture_safety.py); set --cuda-graph-impl none until then",
     ),
     ("num_moe_experts", lambda v: v is not None, "MoE layers are not supported; use a dense model"),
     (

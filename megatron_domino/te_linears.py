@@ -46,7 +46,7 @@ collectives; it matters for block-scaled recipes (refused) in later stock calls 
 
 What has run where: this module's logic is tested on the CPU against a stand-in that keeps
 TE's ``parallel_mode``/``sequence_parallel`` contract (``tests/te_stand_in.py``); with real TE
-it has **not** been run (no GPU with TE was available). ``tests/test_transformer_engine_gpu.py``
+it has **not** been run (no GPU with TE was available). ``tests/gpu/test_transformer_engine_gpu.py``
 runs the real thing where TE and two GPUs are.
 """
 

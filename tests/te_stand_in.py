@@ -78,7 +78,7 @@ from megatron_domino.harness.norms import SequenceParallelTorchNorm
 from megatron_domino.row_output import output_dtype_option
 from megatron_domino.te_spec import self_attention_spec, te_norms_apart_layer_spec
 
-#: How many fp8_autocast stand-ins are open (see ``tests/test_te_linears.py``); while one is,
+#: How many fp8_autocast stand-ins are open (see ``tests/ranks/test_te_linears.py``); while one is,
 #: the linears run TE 2.x's FP8 weight contract (:mod:`te_fp8_stand_in`).
 FP8_CONTEXT_DEPTH = [0]
 

@@ -6,7 +6,7 @@ runs of the same arithmetic compare to rounding).
 * :data:`LLAMA_STYLE`: :data:`TINY` with RMSNorm, SwiGLU (FFN 96), rotary positions and
   grouped-query attention (8 heads, 4 key/value groups).
 * :data:`PRODUCTION_DEFAULTS`: :data:`LLAMA_STYLE` with Megatron-LM's defaults turned back on
-  as far as the CPU runs them (``tests/test_production_defaults.py``): bf16, sequence
+  as far as the CPU runs them (``tests/ranks/test_production_defaults.py``): bf16, sequence
   parallelism, the bias-activation and bias-dropout-add fusions, the masked-softmax flag (at
   16 tokens Megatron takes torch's softmax on any device) and gradient-accumulation fusion
   (the fused weight-gradient GEMM is a CPU stand-in, ``tests/fused_wgrad_stand_in.py``, and

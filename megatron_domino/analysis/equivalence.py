@@ -23,7 +23,7 @@ bound on that would let a 10 % error in a large weight's gradient through. On th
 per-tensor error was at most 1.25 x stock's over every setting and model (chunking changes
 the bf16 rounding of the weight-gradient sums, in either direction); a broken gradient is 4 x
 (3 % too large) to 135 x (zeroed) stock's, and the old element-wise check passed all three
-broken on purpose in ``tests/test_domino_equivalence.py``. Tensors whose fp32 norm is ~0 are
+broken on purpose in ``tests/ranks/test_domino_equivalence.py``. Tensors whose fp32 norm is ~0 are
 measured against ``1e-3`` of the largest gradient norm instead of their own.
 
 Revert: the model after ``revert`` must reproduce the reference exactly, up to the

@@ -77,7 +77,7 @@ def cpu_flags_markdown() -> str:
     """:data:`CPU_FLAGS` as ``docs/cpu.md`` shows them: the command-line words, then a table
     of each flag's reason, between :data:`CPU_FLAGS_BEGIN` and :data:`CPU_FLAGS_END`.
 
-    ``tests/test_cpu_docs.py`` checks the page against it; after changing :data:`CPU_FLAGS`,
+    ``tests/unit/test_cpu_docs.py`` checks the page against it; after changing :data:`CPU_FLAGS`,
     print it (``python -c "from megatron_domino.training.runs import cpu_flags_markdown;
     print(cpu_flags_markdown())"``) and paste it over the page's block."""
     rows = [f"| `{flag}` | {reason} |" for flag, reason in CPU_FLAGS.items()]

@@ -153,7 +153,7 @@ def _peak_memory_bytes(model, batch) -> int:
 
 
 #: DeepSpeed's block against Megatron's in fp32 (measured: 5e-7 with different attention
-#: kernels, bit-identical with SDPA on both, tests/test_bench_deepspeed.py).
+#: kernels, bit-identical with SDPA on both, tests/ranks/test_bench_deepspeed.py).
 DEEPSPEED_RTOL = 1e-4
 
 

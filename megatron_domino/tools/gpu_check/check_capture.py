@@ -17,7 +17,7 @@ setting, on the Llama-style tiny GPT in fp32:
    other.
 
 On ``--device cpu`` there is nothing to capture: the part reports ``needs CUDA`` (skipped),
-and the CPU side of the proof is ``tests/test_capture_safety.py``.
+and the CPU side of the proof is ``tests/ranks/test_capture_safety.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ TITLE = "6. CUDA graph capture of a Domino step (no-op collectives)"
 SETTINGS = ("p2", "sp-s2")
 NEEDS_CUDA = (
     "needs CUDA: a CUDA graph capture and replay of a Domino step (on the CPU, "
-    "tests/test_capture_safety.py checks what can be checked without one)"
+    "tests/ranks/test_capture_safety.py checks what can be checked without one)"
 )
 _WARMUP_STEPS = 3
 _MICRO_BATCH = 2

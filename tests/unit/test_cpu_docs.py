@@ -10,7 +10,7 @@ from pathlib import Path
 
 from megatron_domino.training import runs
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "cpu.md"
 
 

@@ -44,13 +44,14 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 #: ``../shared/`` beside a checkout holds the project's reference notes (``docs/domino.md``,
 #: ...); a checkout without that folder cannot check citations of them and skips them.
 SHARED = REPO.parent / "shared"
 
 DOCUMENTS = sorted(
-    [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "examples").glob("*.md")]
+    [REPO / "README.md", REPO / "tests" / "README.md", *(REPO / "docs").glob("*.md")]
+    + [*(REPO / "examples").glob("*.md")]
     + [path for path in [REPO / "patches" / "README.md"] if path.is_file()]
 )
 LIBRARY = sorted((REPO / "megatron_domino").rglob("*.py"))
@@ -60,7 +61,7 @@ SCRIPTS = sorted(
     [
         REPO / "pretrain_gpt_domino.py",
         *(REPO / "patches").glob("*.py"),
-        *(REPO / "tests").glob("*.py"),
+        *(REPO / "tests").rglob("*.py"),
     ]
 )
 SCRIPTS.remove(Path(__file__).resolve())
@@ -470,3 +471,18 @@ def test_other_projects_names_are_not_taken_for_ours():
     )
     passage = [Passage(REPO / "docs" / "other.md", 1, text, None, frozenset({"block"}))]
     assert [*name_citations(passage), *path_citations(passage)] == []
+
+
+def test_the_tests_readme_lists_every_test_file_in_its_tier():
+    """tests/README.md's tables name each test file by its tier folder, and only files that
+    exist: a moved, added or removed test shows up here."""
+    listed = set(
+        re.findall(r"^\| `(\w+/test_\w+\.py)` \|", (REPO / "tests" / "README.md").read_text(), re.M)
+    )
+    present = {
+        str(path.relative_to(REPO / "tests")) for path in (REPO / "tests").glob("*/test_*.py")
+    }
+    assert listed == present, (
+        f"missing from tests/README.md: {sorted(present - listed)}; "
+        f"listed but absent: {sorted(listed - present)}"
+    )

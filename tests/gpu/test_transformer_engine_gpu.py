@@ -5,7 +5,7 @@ ranks on one GPU, and TE's own collectives in the stock arm need NCCL). **Never 
 machine this project was developed on had TE (see docs/benchmarks.md). It is the check to run
 first on a TE machine:
 
-    pytest tests/test_transformer_engine_gpu.py -v
+    pytest tests/gpu/test_transformer_engine_gpu.py -v
 
 Each case trains a small Llama-style model (RMSNorm, SwiGLU, RoPE, GQA) for 20 iterations at
 TP = 2 (micro-batch 4, or 1 for the sequence split), without and with ``--domino``, through ``python -m megatron_domino.tools.loss_parity``
@@ -64,7 +64,7 @@ CASES = {
     # The shape where an FP8 weight's saved bits look like the gathered input: fc1's
     # [2 ffn / tp, h] = [256, 256] and 128 x 4 / 2 = 256 tokens per chunk (issue 16, fix 1; the
     # uncached path, disable_parameter_transpose_cache, has no flag and is checked on the CPU
-    # in tests/test_te_contract.py).
+    # in tests/ranks/test_te_contract.py).
     "fp8-hybrid-sp-coincident": (
         ["--sequence-parallel", "--fp8-format", "hybrid", "--fp8-amax-history-len", "16"]
         + ["--ffn-hidden-size", "256"],

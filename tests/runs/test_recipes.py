@@ -35,7 +35,7 @@ from megatron_domino.training import loop_hooks
 from megatron_domino.training import pretrain as entry
 from megatron_domino.training.gpt_steps import unsupported_flags
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
 SCRIPTS = {"srun": "pretrain_gpt_srun.sh", "torchrun": "pretrain_gpt_torchrun.sh"}
 MODELS = sorted(path.stem for path in (EXAMPLES / "models").glob("*.env"))
@@ -412,7 +412,7 @@ def test_sbatch_headers_match_the_launch_style():
         text = (EXAMPLES / SCRIPTS[style]).read_text()
         assert f"#SBATCH --ntasks-per-node={tasks}\n" in text
         assert "#SBATCH --gpus-per-node=8\n" in text and "set -euo pipefail" in text
-        # Restarts and resumes on its own, and says so (tests/test_faults.py runs the faults).
+        # Restarts and resumes on its own, and says so (tests/runs/test_faults.py runs the faults).
         assert "# Restarts on its own:" in text and "requeues itself" in text
         assert "#SBATCH --requeue\n" in text and "#SBATCH --signal=TERM@300\n" in text
         assert ("MAX_RESTARTS=3" in text) == (style == "torchrun")

@@ -2,7 +2,7 @@
 the candidates a model allows, and the flag's parsing.
 
 That a run switching settings between steps still trains exactly like stock Megatron-Core is
-``tests/test_domino_training.py``'s ``tp2-auto`` case; that the choice is the fastest of the
+``tests/runs/test_domino_training.py``'s ``tp2-auto`` case; that the choice is the fastest of the
 measured settings is a benchmark question (``make bench``, the ``auto`` columns).
 """
 
@@ -108,7 +108,7 @@ def test_auto_is_not_one_config_and_owns_the_split_and_the_column_chunks():
             DominoConfig.auto_fields(args)
 
 
-# The patch's refusal of auto: tests/test_patch_api.py (through the functions it calls).
+# The patch's refusal of auto: tests/runs/test_patch_api.py (through the functions it calls).
 
 
 def test_the_rounds_come_from_their_flag_and_a_count_below_one_is_refused():

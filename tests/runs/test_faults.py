@@ -79,7 +79,7 @@ LAYOUTS = {
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
     "tp2-dp2": (4, ["--tensor-model-parallel-size", "2"]),
 }
-HELD_SCRIPT = Path(__file__).resolve().parent / "pretrain_held.py"
+HELD_SCRIPT = Path(__file__).resolve().parents[1] / "pretrain_held.py"
 LOADED = re.compile(r"successfully loaded checkpoint from .* at iteration (\d+)")
 
 

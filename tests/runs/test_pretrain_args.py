@@ -174,7 +174,7 @@ def test_fully_sharded_data_parallelism_is_refused_at_argument_time(monkeypatch,
 def test_supported_combinations_pass(monkeypatch):
     for extra in (
         # Domino holds no tensors: meta-device parameters materialised after the pre-wrap
-        # hook are the ones it runs (tests/test_domino_fsdp_meta.py).
+        # hook are the ones it runs (tests/ranks/test_domino_fsdp_meta.py).
         [*TP2_DOMINO, "--init-model-with-meta-device"],
         [*TP2_DOMINO, "--domino-chunks", "2", "--domino-column-chunks", "2"],
         [*TP2_DOMINO, "--domino-split", "sequence", "--micro-batch-size", "1"],

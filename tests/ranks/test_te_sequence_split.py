@@ -14,7 +14,7 @@ type each chunk's attention call passed to TE, the collectives the recorder saw,
 refusal of a TE attention that takes its mask type only at construction.
 
 What this does not show: that real TE's backends agree with the stand-in on
-``causal_bottom_right`` (``tests/test_transformer_engine_gpu.py``'s ``bf16-sp-seq`` case and
+``causal_bottom_right`` (``tests/gpu/test_transformer_engine_gpu.py``'s ``bf16-sp-seq`` case and
 the GPU check run that).
 """
 

@@ -7,7 +7,7 @@
   failed inside the first norm on a sharded DTensor) and before it (``apply_domino`` refuses,
   patching nothing), and with parameters marked as Megatron-FSDP marks those it manages
   (``__fsdp_param__``; Megatron-FSDP itself needs CUDA). The argument-time refusal is in
-  ``tests/test_pretrain_args.py``.
+  ``tests/runs/test_pretrain_args.py``.
 * **Meta-device initialisation is supported**: Megatron-LM builds the model on the meta device,
   runs the pre-wrap hooks (Domino) and materialises the parameters afterwards
   (``to_empty_if_meta_device``). Domino binds ``forward`` onto modules and holds no tensors,

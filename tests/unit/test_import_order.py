@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "megatron_domino"
+PACKAGE = Path(__file__).resolve().parents[2] / "megatron_domino"
 
 
 def _module_name(path: Path) -> str:

@@ -27,7 +27,7 @@ from megatron_domino.config import DominoConfig
 from megatron_domino.training import pretrain as entry
 from megatron_domino.training.runs import read_records
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MOCK = "--mock-data --tokenizer-type NullTokenizer --vocab-size 128".split()
 TINY = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "

@@ -9,7 +9,7 @@ and backward, so each chunk's Domino step must keep its own in-flight collective
 
 Two cases, each a stock arm and a Domino arm with the same seed and mock data; every
 iteration's loss and grad norm (before clipping) must match within fp32 ``rtol = 1e-5`` (the
-bound of ``tests/test_domino_training.py``, whose reasoning applies: only the order of sums
+bound of ``tests/runs/test_domino_training.py``, whose reasoning applies: only the order of sums
 changes), the learning rates exactly:
 
 * ``vp-batch``: no SP, micro-batch 2 (4 micro-batches), ``--num-layers-per-virtual-pipeline-

@@ -25,7 +25,7 @@ from megatron_domino.version import (
     check_transformer_engine_version,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_imported_release_is_accepted():

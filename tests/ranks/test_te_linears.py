@@ -12,7 +12,7 @@ sums over the full sequence (see :mod:`megatron_domino.te_linears`); only the to
 
 Tolerances: :data:`megatron_domino.analysis.equivalence.TOLERANCES` (fp32 ``atol = 1e-6, rtol = 1e-5``).
 What this does not show: that real TE keeps the contract (see
-``tests/test_transformer_engine_gpu.py``, which needs TE and two GPUs), or anything about FP8
+``tests/gpu/test_transformer_engine_gpu.py``, which needs TE and two GPUs), or anything about FP8
 numerics.
 """
 
@@ -178,7 +178,7 @@ def test_first_microbatch_flag_keeps_weight_gradients_accumulating(sequence_para
     weight-gradient accumulation), and the first chunk's backward runs last: Domino never
     passes True. It passes False to every chunk, with or without fusion, after dropping TE's
     cached FP8 weight, so the first chunk's call casts it afresh and the others reuse it
-    (``tests/test_te_contract.py`` counts the casts)."""
+    (``tests/ranks/test_te_contract.py`` counts the casts)."""
     for fused in (True, False):
         flags = run_on_ranks(_first_microbatch_flags, 2, args=(fused, sequence_parallel))[0]
         assert all(linear_flags == [False, False] for linear_flags in flags), (fused, flags)

@@ -31,7 +31,7 @@ from megatron_domino.tools.gpu_check import (
 )
 from megatron_domino.tools.gpu_check.results import EXIT_STATUS, PartResult, verdict
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WRAPPER = ROOT / "scripts" / "gpu_check.sh"
 
 
