@@ -1,4 +1,4 @@
-"""Run a test function on N gloo ranks (one spawned process each) and collect the results.
+"""Run a test function on N gloo ranks (one process each) and collect the results.
 
 A thin front for :func:`megatron_domino.harness.ranks.run_ranks`, the spawner the GPU check uses too:
 every rank enters the CPU runtime, initialises Megatron-Core's parallel state (TP = all ranks

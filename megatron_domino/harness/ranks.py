@@ -1,4 +1,4 @@
-"""Run one function on N gloo ranks, one spawned process each, on the CPU or sharing one GPU.
+"""Run one function on N gloo ranks, one process each, on the CPU or sharing one GPU.
 
 Used by the test suite (``tests/multiproc.py``) and by ``python -m megatron_domino.tools.gpu_check``.
 
@@ -7,6 +7,14 @@ one default process group per process, so each tensor-parallel rank needs a proc
 single GPU both ranks use ``cuda:0``: NCCL refuses two ranks on one device, so the process
 group is always gloo (which the probe in :mod:`megatron_domino.tools.gpu_check.probe` checks for
 device tensors).
+
+On the CPU the ranks are forked from a server that has imported torch, Megatron-Core and the
+CPU runtime once (``forkserver`` with :data:`CPU_PRELOAD`): each rank of a fresh interpreter
+(``spawn``) spent about 7 s of a tiny test's launch importing them on two cores. A forked rank
+is still a process of its own, started from that pristine import state (nothing the server
+ran beyond the imports), with its own environment, process group and Megatron state; the
+modules it imports afterwards (the test's) are its own. On a GPU the ranks are spawned: CUDA
+must not be initialised before they set their environment.
 
 The function is named as ``"module:function"`` and imported only in the ranks, so the parent
 (e.g. the GPU check, which times GEMMs and writes the report) never imports Megatron-Core. Each rank sets, before
@@ -39,6 +47,13 @@ import torch.multiprocessing as mp
 __all__ = ["RankFailure", "import_target", "run_ranks"]
 
 _POLL_S = 1.0
+#: What the CPU ranks' fork server imports once (module docstring).
+CPU_PRELOAD = (
+    "torch",
+    "megatron.core",
+    "megatron_domino.harness.cpu_runtime",
+    "megatron_domino.harness.distributed",
+)
 
 
 class RankFailure(RuntimeError):
@@ -170,7 +185,9 @@ def run_ranks(
     """
     pp = pipeline_model_parallel_size
     tp = world_size // pp if tensor_model_parallel_size is None else tensor_model_parallel_size
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver" if device == "cpu" else "spawn")
+    if device == "cpu":
+        ctx.set_forkserver_preload(list(CPU_PRELOAD))  # read when the server first starts
     results = ctx.Queue()
     port = _free_port()
     processes = [
