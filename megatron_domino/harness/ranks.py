@@ -205,8 +205,11 @@ def run_ranks(
     finished = False
     try:
         while len(outputs) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:  # also where every rank reports within a poll, past the limit
+                _check_progress(processes, outputs, deadline, timeout_s)
             try:
-                status, rank, payload = results.get(timeout=_POLL_S)
+                status, rank, payload = results.get(timeout=min(_POLL_S, max(remaining, 0.0)))
             except queue.Empty:
                 _check_progress(processes, outputs, deadline, timeout_s)
                 continue

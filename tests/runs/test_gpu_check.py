@@ -318,7 +318,8 @@ def test_budget_and_parts_flags_are_validated():
 # --- the shared count formula matches the CPU tests' ------------------------------------------
 
 
-def test_expected_counts_match_the_cpu_overlap_tests():
+def test_expected_counts_match_the_cpu_overlap_tests(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "ranks"))
     import test_domino_overlap as overlap_test
     import test_domino_sequence_parallel as sp_test
 
