@@ -14,12 +14,25 @@ __all__ = [
     "FP8_AMAX_COMPUTE_ALGOS",
     "FP8_FORMATS",
     "FP8_RECIPES",
+    "LLAMA_FLAVOUR",
     "RECOMPUTE_GRANULARITIES",
     "RECOMPUTE_METHODS",
     "RECOMPUTE_MODULES",
     "GPTOptions",
     "GPTOptionsError",
 ]
+
+#: The Llama flavour of a layer as :class:`GPTOptions` fields (RMSNorm, SwiGLU, RoPE, no linear
+#: bias), dropout off: the tools' measured models (bench, host time, activation memory, GPU
+#: check) add their shapes to it.
+LLAMA_FLAVOUR = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    add_bias_linear=False,
+    attention_dropout=0.0,
+    hidden_dropout=0.0,
+)
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _POSITION_EMBEDDINGS = ("learned_absolute", "rope")

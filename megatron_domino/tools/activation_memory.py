@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from megatron_domino.harness.model_options import LLAMA_FLAVOUR
+
 __all__ = [
     "IMPLS",
     "MODEL",
@@ -63,12 +65,7 @@ MODEL = dict(
     num_query_groups=8,
     seq_length=128,
     vocab_size=512,
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    add_bias_linear=False,
-    attention_dropout=0.0,
-    hidden_dropout=0.0,
+    **LLAMA_FLAVOUR,
     sequence_parallel=True,
     bf16=True,
 )

@@ -7,6 +7,8 @@ the command line.
 
 from __future__ import annotations
 
+from megatron_domino.harness.model_options import LLAMA_FLAVOUR
+
 __all__ = ["CASES", "SETTINGS"]
 
 #: Shapes where each chunk keeps 512 tokens (s * b / p at p = 2): smaller chunks lose CPU GEMM
@@ -22,15 +24,7 @@ _MODEL = dict(
     attention_dropout=0.0,
     hidden_dropout=0.0,
 )
-_LLAMA = dict(
-    _MODEL,
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    num_query_groups=4,
-    add_bias_linear=False,
-    ffn_hidden_size=2816,
-)
+_LLAMA = dict(_MODEL, **LLAMA_FLAVOUR, num_query_groups=4, ffn_hidden_size=2816)
 #: The shape of the DeepSpeed comparison in ../shared/docs/deepspeed-domino.md (h = 512, ffn
 #: 2048, 8 heads): 256 tokens per chunk at p = 2, where per-chunk costs weigh more than at
 #: h = 1024.

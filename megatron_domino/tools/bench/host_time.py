@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import statistics
 
+from megatron_domino.harness.model_options import LLAMA_FLAVOUR
 from megatron_domino.tools.bench.cases import SETTINGS
 
 __all__ = [
     "HOST_MODEL",
-    "LLAMA_FLAVOUR",
     "host_table",
     "host_time_rank",
     "main",
@@ -29,15 +29,6 @@ __all__ = [
     "with_ratios",
 ]
 
-#: The Llama flavour of the measured layers (GPTOptions fields), dropout off.
-LLAMA_FLAVOUR = dict(
-    normalization="RMSNorm",
-    swiglu=True,
-    position_embedding_type="rope",
-    add_bias_linear=False,
-    attention_dropout=0.0,
-    hidden_dropout=0.0,
-)
 #: Tiny Llama-style layers at TP = 2: compute is negligible next to the host's work.
 HOST_MODEL = dict(
     num_layers=8,

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import time
 
-from megatron_domino.tools.bench.host_time import LLAMA_FLAVOUR, with_ratios
+from megatron_domino.harness.model_options import LLAMA_FLAVOUR
+from megatron_domino.tools.bench.host_time import with_ratios
 from megatron_domino.tools.gpu_check.results import PartResult
 
 __all__ = ["ARMS", "model_fields", "run_part"]

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_domino.harness.model_options import LLAMA_FLAVOUR
+
 if TYPE_CHECKING:  # the parent process plans with this module and never imports Megatron-Core
     from megatron_domino.harness.gpt_model import GPTOptions
 
@@ -63,13 +65,9 @@ def model_options(
         return GPTOptions(**common)
     if flavour == "llama":
         return GPTOptions(
-            **common,
+            **{**common, **LLAMA_FLAVOUR},
             num_query_groups=4,
             ffn_hidden_size=96 if quick else 1024,
-            normalization="RMSNorm",
-            swiglu=True,
-            position_embedding_type="rope",
-            add_bias_linear=False,
             untie_embeddings_and_output_weights=True,
         )
     raise ValueError(f"unknown flavour {flavour!r}; choose from {', '.join(FLAVOURS)}.")
