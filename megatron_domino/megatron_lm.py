@@ -9,7 +9,8 @@ script to Domino:
 * :func:`add_domino_args` (from :mod:`megatron_domino.config`) as (part of)
   ``extra_args_provider``: ``--domino`` and one flag per
   :class:`~megatron_domino.config.DominoConfig` field on Megatron's own parser
-  (:func:`add_args` adds the loop's flags too, for the patch);
+  (:func:`add_args` adds every flag of the project, the loop's and the tuner's too, for the
+  patch);
 * :func:`check_args` once Megatron has validated its arguments: builds the
   :class:`~megatron_domino.config.DominoConfig` and runs every refusal that needs no built
   model (flag values, shapes, TP = 1, features Domino cannot combine with), so a bad command
@@ -40,7 +41,7 @@ from typing import NoReturn
 import torch
 
 from megatron_domino.apply import DominoHandle, apply_domino
-from megatron_domino.autotune import AutoTuner, add_auto_tune_args, candidate_configs
+from megatron_domino.autotune import AutoTuner, candidate_configs
 from megatron_domino.config import (
     AUTO,
     DominoConfig,
@@ -206,15 +207,12 @@ def add_hook(model_config, config: DominoConfig | AutoTuner) -> DominoModelHook:
 
 
 def add_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The ``extra_args_provider`` part of both entry points (the patch's and
-    ``pretrain_gpt_domino.py``'s): ``--domino*`` (:func:`add_domino_args`,
-    :func:`~megatron_domino.autotune.add_auto_tune_args`), the loop's ``--log-json``/``--domino-report``/``--domino-ab``
-    (:func:`~megatron_domino.training.loop_hooks.add_loop_hook_args`), and help strings that
-    ``--help`` can print (:func:`~megatron_domino.parser_help.escape_help`)."""
-    from megatron_domino.parser_help import escape_help
-    from megatron_domino.training.loop_hooks import add_loop_hook_args
+    """The patch's ``extra_args_provider`` part: every flag of this project
+    (:func:`megatron_domino.training.flags.add_flags`, which ``pretrain_gpt_domino.py`` uses
+    too)."""
+    from megatron_domino.training.flags import add_flags
 
-    return escape_help(add_loop_hook_args(add_auto_tune_args(add_domino_args(parser))))
+    return add_flags(parser)
 
 
 def help_lists_domino() -> None:

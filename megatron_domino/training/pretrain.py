@@ -5,8 +5,8 @@ The order is Megatron-LM's, with Domino's pieces where Megatron-LM leaves room f
 1. the Megatron-Core that is imported is checked against the tested releases;
 2. Megatron's own ``parse_and_validate_args`` parses every Megatron-LM flag, with
    ``extra_args_provider`` adding ``--domino*`` and this script's
-   ``--log-json``/``--domino-report``/``--domino-ab`` (those of
-   :func:`~megatron_domino.megatron_lm.add_args`, the patch's); right after Megatron's
+   ``--log-json``/``--domino-report``/``--domino-ab`` (:func:`.flags.add_flags`, the patch's
+   too); right after Megatron's
    ``validate_args``, and before it builds the tokenizer or opens any log, the checks run:
    with ``--domino`` Domino's (:func:`~megatron_domino.megatron_lm.check_args`, which builds
    the one :class:`~megatron_domino.config.DominoConfig` of the run), the flags this GPT path
@@ -43,24 +43,22 @@ from megatron.training import arguments as megatron_arguments
 from megatron.training import pretrain
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 
-from megatron_domino.autotune import add_auto_tune_args
 from megatron_domino.config import (
     DominoConfig,
     DominoConfigError,
     DominoUnsupportedError,
-    add_domino_args,
 )
 from megatron_domino.data.files import DataFileError
 from megatron_domino.harness.distributed import export_torchrun_environment
 from megatron_domino.harness.patch import Patch
-from megatron_domino.parser_help import escape_help
+from megatron_domino.training.flags import add_flags
 from megatron_domino.training.gpt_steps import (
     forward_step,
     train_valid_test_datasets_provider,
     unsupported_flags,
 )
 from megatron_domino.training.inputs import CheckpointError, check_run_inputs, clear_load_errors
-from megatron_domino.training.loop_hooks import LoopHooks, add_loop_hook_args, loop_hook_problems
+from megatron_domino.training.loop_hooks import LoopHooks, loop_hook_problems
 from megatron_domino.training.loop_runtime import megatron_loop_runtime
 from megatron_domino.version import UnsupportedMegatronVersion, check_megatron_core_version
 
@@ -72,12 +70,6 @@ ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 
 class StartupError(ValueError):
     """A flag combination this script cannot run; the message names it and the fix."""
-
-
-def _extra_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags of :func:`~megatron_domino.megatron_lm.add_args` (the patch's), without
-    importing the library behind them: a run without ``--domino`` imports none of it."""
-    return escape_help(add_loop_hook_args(add_auto_tune_args(add_domino_args(parser))))
 
 
 def _script_checks(args: argparse.Namespace) -> DominoConfig | None:
@@ -186,7 +178,7 @@ def _parse_args() -> tuple[argparse.Namespace, DominoConfig | None]:
     )
     with validate.applied():
         args = megatron_arguments.parse_and_validate_args(
-            extra_args_provider=_extra_args, args_defaults=ARGS_DEFAULTS
+            extra_args_provider=add_flags, args_defaults=ARGS_DEFAULTS
         )
     return args, checked[-1]
 

@@ -75,7 +75,7 @@ def test_flags_are_checked_before_anything_runs(flags, message, monkeypatch):
     monkeypatch.setattr(sys, "argv", argv)
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    args = megatron_arguments.parse_args(extra_args_provider=entry._extra_args)
+    args = megatron_arguments.parse_args(extra_args_provider=entry.add_flags)
     with pytest.raises(entry.StartupError, match=re.escape(message)):
         entry._script_checks(args)
 

@@ -43,7 +43,7 @@ def test_each_arm_is_a_command_line_megatron_lm_accepts(arm, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)
-    args = megatron_arguments.parse_args(extra_args_provider=entry._extra_args)
+    args = megatron_arguments.parse_args(extra_args_provider=entry.add_flags)
     megatron_arguments.validate_args(args, dict(entry.ARGS_DEFAULTS))
     entry._script_checks(args)
     assert args.domino == (arm == "domino") and args.train_iters == 5

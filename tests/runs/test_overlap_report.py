@@ -212,7 +212,7 @@ def test_report_flags_are_checked_after_megatron_parses_them(flags, message, mon
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt_domino.py", *BASE, *flags])
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    args = megatron_arguments.parse_args(extra_args_provider=entry._extra_args)
+    args = megatron_arguments.parse_args(extra_args_provider=entry.add_flags)
     with pytest.raises(entry.StartupError, match=message):
         entry._script_checks(args)
 

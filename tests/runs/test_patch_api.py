@@ -69,7 +69,7 @@ def test_help_through_the_patch_exits_0_and_lists_domino(flag, monkeypatch, caps
 def test_help_of_pretrain_gpt_domino_exits_0(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt_domino.py", "--help"])
     with pytest.raises(SystemExit) as stop:
-        megatron_arguments.parse_args(extra_args_provider=entry._extra_args)
+        megatron_arguments.parse_args(extra_args_provider=entry.add_flags)
     assert stop.value.code == 0
     assert "--domino-ab N" in capsys.readouterr().out
 

@@ -51,7 +51,7 @@ def checked(
         monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", max_connections)
     # validate_args asks the GPU's architecture; answered as a Hopper, as the CPU runtime does.
     monkeypatch.setattr(megatron_arguments, "get_device_arch_version", lambda: 9)
-    args = megatron_arguments.parse_args(extra_args_provider=entry._extra_args)
+    args = megatron_arguments.parse_args(extra_args_provider=entry.add_flags)
     megatron_arguments.validate_args(args, dict(entry.ARGS_DEFAULTS))
     entry._script_checks(args)
     return args
@@ -203,7 +203,7 @@ from megatron.training import arguments
 from megatron_domino.training import pretrain
 arguments.get_device_arch_version = lambda: 9
 sys.argv = ["pretrain_gpt_domino.py", *{BASE!r}]
-args = arguments.parse_args(extra_args_provider=pretrain._extra_args)
+args = arguments.parse_args(extra_args_provider=pretrain.add_flags)
 arguments.validate_args(args, dict(pretrain.ARGS_DEFAULTS))
 pretrain._script_checks(args)
 print(" ".join(sorted(m for m in sys.modules if m.startswith("megatron_domino"))))
@@ -217,7 +217,7 @@ def test_megatron_parses_every_megatron_lm_flag_with_its_meaning(monkeypatch):
     assert args.train_samples == 64 and args.train_iters is None
     # Megatron-LM's own default, not a CPU one: the CPU flags in TINY_GPT set it to local.
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt_domino.py", "--num-layers", "2"])
-    assert megatron_arguments.parse_args(entry._extra_args).transformer_impl == "transformer_engine"
+    assert megatron_arguments.parse_args(entry.add_flags).transformer_impl == "transformer_engine"
     # Without --domino, of Domino only its flags (config.py, autotune.py, parser_help.py) and
     # the version check import.
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}

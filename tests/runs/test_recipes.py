@@ -111,7 +111,7 @@ def parsed(flags: list[str], *, world_size: int, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", str(world_size))
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    return megatron_arguments.parse_args(extra_args_provider=entry._extra_args)
+    return megatron_arguments.parse_args(extra_args_provider=entry.add_flags)
 
 
 def accepted(flags: list[str], *, world_size: int, monkeypatch):
