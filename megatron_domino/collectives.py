@@ -15,7 +15,8 @@ wait, and drops the handles once waited. The kinds:
   (:mod:`megatron_domino.backward_overlap`);
 * :class:`SequenceCollective`: under sequence parallelism, an all-gather or reduce-scatter
   along ``s``, reused by the forward collective and its backward twin
-  (:mod:`megatron_domino.sequence_parallel`).
+  (:mod:`megatron_domino.sequence_parallel`); under FP8 on TE layers the forward all-gather
+  moves the FP8 bits of the shard, as stock TE's does (:mod:`megatron_domino.te_fp8_inputs`).
 
 The sequence-parallel re-gather of a column linear's saved input
 (:class:`~megatron_domino.saved_shards.SavedInputRegather`) is an :class:`InFlight` too: the
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_domino.recorder import LAUNCH, WAIT_BEGIN, WAIT_END, CollectiveLabel
+from megatron_domino.te_fp8_inputs import quantized_gather
 
 __all__ = ["DgradAllReduce", "ForwardAllReduce", "InFlight", "SequenceCollective"]
 
@@ -168,6 +170,17 @@ class SequenceCollective(InFlight):
         """Start gathering ``shard`` ``[s/tp, ...]`` into ``[s, ...]`` along the sequence."""
         output = shard.new_empty(_gathered_shape(shard, self.group))
         self._launch(dist.all_gather_into_tensor, output, shard.contiguous(), direction)
+
+    def all_gather_quantized(self, quantized: torch.Tensor, quantizer, direction: str) -> None:
+        """Start gathering the FP8 shard ``quantized`` ``[s/tp, ...]`` (Transformer Engine's
+        ``Float8Tensor``) into an FP8 ``[s, ...]`` with TE's own all-gather of its bits
+        (:func:`~megatron_domino.te_fp8_inputs.quantized_gather`)."""
+
+        def launch() -> list:
+            self._output, works = quantized_gather(quantized, quantizer, self.group)
+            return works
+
+        self.start(direction, launch)
 
     def reduce_scatter(self, full: torch.Tensor, direction: str) -> None:
         """Start summing ``full`` ``[s, ...]`` over ranks, each keeping its ``[s/tp, ...]``."""

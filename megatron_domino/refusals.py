@@ -347,10 +347,11 @@ TE_FUSED_NORM_UNDER_SP = (
     "under --sequence-parallel Domino needs Transformer Engine's norms apart from the "
     "column-parallel linears: on the fused TELayerNormColumnParallelLinear it could only "
     "gather the pre-norm residual, so the norm would run tp times and keep the whole "
-    "sequence for backward (stock TE norms the shard and gathers the norm output); run "
-    "pretrain_gpt_domino.py with --spec megatron_domino.te_spec te_norms_apart_block_spec (the "
-    "same parameters, torch_dist checkpoints load either way; Megatron-LM's own pretrain_gpt.py "
-    "takes no spec builder function), or drop --sequence-parallel"
+    "sequence for backward (stock TE norms the shard and gathers the norm output); add "
+    "--spec megatron_domino.te_spec te_norms_apart_block_spec (TE's TENorm + "
+    "TEColumnParallelLinear: the same parameters, torch_dist checkpoints load either way; "
+    "pretrain_gpt_domino.py and the patched pretrain_gpt.py both take it), or drop "
+    "--sequence-parallel"
 )
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from megatron_domino.collectives import InFlight
 from megatron_domino.recorder import CollectiveLabel
+from megatron_domino.te_fp8_inputs import quantized_gather
 
 __all__ = ["SavedInputRegather", "keeping_input_shards"]
 
@@ -60,21 +61,38 @@ class SavedInputRegather(InFlight):
     launches them first if nothing did). The pack and unpack hooks pass what they keep on to
     the saved-tensor hooks that were active when the call began (e.g. a memory measurement).
 
+    Under FP8 on Transformer Engine layers the gathered input is an FP8 tensor (TE's
+    ``Float8Tensor``, gathered from ``quantized``, :mod:`megatron_domino.te_fp8_inputs`), which
+    TE saves as it is: it is kept as ``quantized``, this rank's FP8 shard, and gathered again in
+    FP8 by TE's own all-gather, as stock TE keeps and gathers its FP8 shard.
+
     Args:
         group: the tensor-parallel group.
         label: recorder label (``<sublayer>_regather``, layer, chunk).
         shard: the column linear's input before the all-gather, ``[s/tp, b/p, h]``.
+        quantized: ``shard`` cast to FP8 (row-wise) when the FP8 cast was gathered, else
+            ``None``.
+        quantizer: the quantizer that cast it.
     """
 
-    def __init__(self, group: dist.ProcessGroup, label: CollectiveLabel, shard: torch.Tensor):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        label: CollectiveLabel,
+        shard: torch.Tensor,
+        quantized: torch.Tensor | None = None,
+        quantizer=None,
+    ):
         super().__init__(group, label)
         self._shard = shard.detach()
+        self._quantized, self._quantizer = quantized, quantizer
         self._gathered: torch.Tensor | None = None
         self._parameter_shapes: set[tuple[int, ...]] = set()
         self._outer = None
         #: per kept tensor: (this rank's rows or what the outer pack hook made of them,
-        #: full shape); index 0 is the gathered input's own shard once a view of it was saved.
-        self._kept: list[tuple[object, torch.Size]] = []
+        #: full shape, the FP8 quantizer of an FP8 shard or None); the gathered input's own
+        #: shard is at ``_view_index`` once the input (a view of it, or the FP8 input) was saved.
+        self._kept: list[tuple[object, torch.Size, object]] = []
         self._view_index: int | None = None
         self._uses: list[int] = []
         self._outputs: list[torch.Tensor] = []
@@ -108,15 +126,19 @@ class SavedInputRegather(InFlight):
 
     def _gather_kept(self) -> list:
         works = []
-        for kept, full_shape in self._kept:
+        for kept, full_shape, quantizer in self._kept:
             rows = self._outer[1](kept) if self._outer else kept
-            output = rows.new_empty(full_shape)
-            self._outputs.append(output)
-            works.append(
-                dist.all_gather_into_tensor(
-                    output, rows.contiguous(), group=self.group, async_op=True
+            if quantizer is not None:
+                output, launched = quantized_gather(rows, quantizer, self.group)
+                works.extend(launched)
+            else:
+                output = rows.new_empty(full_shape)
+                works.append(
+                    dist.all_gather_into_tensor(
+                        output, rows.contiguous(), group=self.group, async_op=True
+                    )
                 )
-            )
+            self._outputs.append(output)
         return works
 
     def _wait(self) -> None:
@@ -129,6 +151,13 @@ class SavedInputRegather(InFlight):
 
     def _pack(self, tensor: torch.Tensor):
         gathered = self._gathered
+        if self._quantized is not None:  # the FP8 input: nothing else is of its tokens
+            if not _same_fp8_bits(tensor, gathered):
+                return self._pass(tensor)
+            if self._view_index is None:
+                self._view_index = self._keep(self._quantized, gathered.shape, self._quantizer)
+            self._uses[self._view_index] += 1
+            return ("quantized", self._view_index, None)
         if type(tensor) is not torch.Tensor or tensor.device != gathered.device:
             return self._pass(tensor)
         if tensor.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr():
@@ -167,8 +196,8 @@ class SavedInputRegather(InFlight):
             and tuple(tensor.shape) not in self._parameter_shapes
         )
 
-    def _keep(self, rows: torch.Tensor, full_shape: torch.Size) -> int:
-        self._kept.append((self._outer[0](rows) if self._outer else rows, full_shape))
+    def _keep(self, rows: torch.Tensor, full_shape: torch.Size, quantizer=None) -> int:
+        self._kept.append((self._outer[0](rows) if self._outer else rows, full_shape, quantizer))
         self._uses.append(0)
         return len(self._kept) - 1
 
@@ -189,6 +218,17 @@ class SavedInputRegather(InFlight):
             size, stride, offset = payload
             return full.as_strided(size, stride, offset)
         return full
+
+
+def _same_fp8_bits(tensor: torch.Tensor, gathered: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the gathered FP8 input (or an alias of it): its FP8 bits
+    (``_data``, TE's row-wise data) are the gathered input's."""
+    bits, gathered_bits = getattr(tensor, "_data", None), getattr(gathered, "_data", None)
+    return (
+        isinstance(bits, torch.Tensor)
+        and isinstance(gathered_bits, torch.Tensor)
+        and bits.untyped_storage().data_ptr() == gathered_bits.untyped_storage().data_ptr()
+    )
 
 
 def keeping_input_shards(

@@ -55,6 +55,7 @@ from megatron_domino.recorder import CollectiveLabel
 from megatron_domino.saved_shards import SavedInputRegather
 from megatron_domino.sequence_parallel import launch_gather, wait_gather
 from megatron_domino.state import ChunkState, DominoRuntime
+from megatron_domino.te_fp8_inputs import fp8_input_quantizer, quantize_shard
 
 Op = Callable[[ChunkState], None]
 
@@ -164,9 +165,10 @@ class LayerOps:
     ) -> torch.Tensor:
         """Ready the norm output ``[s or s/tp, b/p, h]`` for the next column-parallel linear.
 
-        Under sequence parallelism: launch its all-gather (waited in the core op), and with
-        autograd on, prepare the linear to keep only ``normed`` (this rank's shard) for
-        backward. Otherwise, with backward overlap: place the backward wait of the linear's
+        Under sequence parallelism: launch its all-gather (waited in the core op; in FP8 when
+        the linear is Transformer Engine's under an FP8 autocast, as stock TE gathers it:
+        :mod:`megatron_domino.te_fp8_inputs`), and with autograd on, prepare the linear to keep
+        only this rank's shard (``normed``, or its FP8 cast) for backward. Otherwise, with backward overlap: place the backward wait of the linear's
         dX all-reduce.
         """
         runtime = self.runtime
@@ -175,19 +177,29 @@ class LayerOps:
             label = CollectiveLabel(f"{sublayer}_ag", self.index, chunk.index, runtime.recorder)
             chunk.gather_slot = SequenceCollective(runtime.tp_group, label)
             runtime.step.sequence_slots.append(chunk.gather_slot)
+            quantizer = fp8_input_quantizer(self._column_linear(sublayer))
+            quantized = None if quantizer is None else quantize_shard(quantizer, normed)
             if grad:
                 label = CollectiveLabel(
                     f"{sublayer}_regather", self.index, chunk.index, runtime.recorder
                 )
-                chunk.input_regather = SavedInputRegather(runtime.tp_group, label, normed)
+                chunk.input_regather = SavedInputRegather(
+                    runtime.tp_group, label, normed, quantized, quantizer
+                )
                 runtime.step.regathers.add(chunk.input_regather)
-            return launch_gather(normed, chunk.gather_slot)
+            return launch_gather(normed, chunk.gather_slot, quantized, quantizer)
         if not (runtime.config.backward_overlap and grad):
             return normed
         label = CollectiveLabel(f"{sublayer}_dgrad_ar", self.index, chunk.index, runtime.recorder)
         chunk.dgrad_slot = DgradAllReduce(runtime.tp_group, label)
         runtime.step.dgrad_slots.append(chunk.dgrad_slot)
         return wait_for_dgrad_reduce(normed, chunk.dgrad_slot)
+
+    def _column_linear(self, sublayer: str) -> torch.nn.Module:
+        """The column-parallel linear the norm output of ``sublayer`` feeds."""
+        if sublayer == "attention":
+            return self.layer.self_attention.linear_qkv
+        return self.layer.mlp.linear_fc1
 
     @staticmethod
     def _finish_gather(chunk: ChunkState) -> None:

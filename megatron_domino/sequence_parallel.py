@@ -35,12 +35,16 @@ from megatron_domino.collectives import SequenceCollective
 
 
 class _GatherLaunch(torch.autograd.Function):
-    """Forward: launch the all-gather of the norm output; backward: wait for the dX scatter."""
+    """Forward: launch the all-gather of the norm output (of its FP8 cast ``quantized``, when
+    given, with its ``quantizer``); backward: wait for the dX scatter (in the shard's dtype)."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, slot: SequenceCollective):
+    def forward(ctx, shard: torch.Tensor, slot: SequenceCollective, quantized, quantizer):
         ctx.slot = slot
-        slot.all_gather(shard, "fwd")
+        if quantized is None:
+            slot.all_gather(shard, "fwd")
+        else:
+            slot.all_gather_quantized(quantized, quantizer, "fwd")
         return shard.view_as(shard)
 
     @staticmethod
@@ -50,7 +54,7 @@ class _GatherLaunch(torch.autograd.Function):
                 "Domino sequence parallelism needs the column-parallel linear to be the only "
                 "consumer of its gathered input; another op consumed it."
             )
-        return ctx.slot.wait(), None
+        return ctx.slot.wait(), None, None, None
 
 
 class _GatherWait(torch.autograd.Function):
@@ -100,13 +104,15 @@ class _ScatterWait(torch.autograd.Function):
         return grad_shard, None, None
 
 
-def launch_gather(shard, slot):
-    """Norm op: start the all-gather of ``shard`` ``[s/tp, b/p, h]``."""
-    return _GatherLaunch.apply(shard, slot)
+def launch_gather(shard, slot, quantized=None, quantizer=None):
+    """Norm op: start the all-gather of ``shard`` ``[s/tp, b/p, h]``, or of ``quantized``, its
+    FP8 cast by ``quantizer`` (:mod:`megatron_domino.te_fp8_inputs`)."""
+    return _GatherLaunch.apply(shard, slot, quantized, quantizer)
 
 
 def wait_gather(launched, slot):
-    """Core op: the gathered input ``[s, b/p, h]`` of the column-parallel linear."""
+    """Core op: the gathered input ``[s, b/p, h]`` of the column-parallel linear (an FP8
+    tensor when its shard was cast)."""
     return _GatherWait.apply(launched, slot)
 
 

@@ -21,7 +21,8 @@ asynchronously, as it does for Megatron's linears:
   layer with its norms apart (:mod:`megatron_domino.te_spec`; the fused
   ``TELayerNormColumnParallelLinear`` is refused under SP, :mod:`megatron_domino.refusals`),
   the schedule's norm op runs ``TENorm`` on this rank's shard ``[s/tp, b/p, h]`` and
-  launches the all-gather of its output, as stock TE gathers its norm output; the
+  launches the all-gather of its output, as stock TE gathers its norm output (under FP8 the
+  shard cast to FP8 first and the FP8 bits gathered, :mod:`megatron_domino.te_fp8_inputs`); the
   ``TEColumnParallelLinear`` then runs on the gathered ``[s, b/p, h]`` without collectives
   (:func:`te_column_parallel_forward`), under
   :func:`~megatron_domino.saved_shards.keeping_input_shards`, which keeps this rank's rows of

@@ -17,9 +17,11 @@ to the fused layer's checkpoint keys (``input_layernorm.`` is
 ``self_attention.linear_qkv.layer_norm_``, as Megatron-Core's own local spec maps it), so
 ``torch_dist`` checkpoints load either way.
 
-Use it from Megatron-LM with ``--spec megatron_domino.te_spec te_norms_apart_block_spec``.
-FP8: the norm output is gathered in the model's dtype (stock TE gathers it in FP8 under
-delayed scaling), which is twice the all-gather bytes of stock's under FP8.
+Use it with ``--spec megatron_domino.te_spec te_norms_apart_block_spec``, in
+``pretrain_gpt_domino.py`` or Megatron-LM's patched ``pretrain_gpt.py``: both build the model
+from ``gpt_config_from_args``, whose builder calls a spec function with the config and the
+virtual stage (``megatron/training/models/gpt.py:273-281``). Under FP8 Domino gathers the norm
+output in FP8, as stock TE does (:mod:`megatron_domino.te_fp8_inputs`).
 """
 
 from __future__ import annotations

@@ -33,8 +33,12 @@ and Megatron-Core 0.19's wrappers in ``megatron/core/extensions/transformer_engi
   ``uint8`` data and transpose, the input-gradient GEMM reading the transpose, ``main_grad``
   overwritten by a call flagged first, and ``get_dummy_wgrad``'s shared placeholder.
 
-What they do not model: FP8 casts of activations (the norm output stays in the model's dtype,
-so under FP8 the column-wise-only ``ln_out`` TE keeps is not modelled), TE's fused kernels and
+* under :func:`fp8_stand_in`, the FP8 cast of every linear's input by the module's input
+  quantizer (``init_fp8_metadata``, ``_get_quantizers``), an input that arrives already in FP8
+  used as it is, the FP8 all-gather of the cast shard under SP, and what TE keeps of the input
+  (the FP8 shard, the column-wise copy, or the FP8 input object; :mod:`te_fp8_stand_in`).
+
+What they do not model: TE's fused kernels and
 its fused norm's own saved tensors (the stand-in's norm is torch's, whose fp32 intermediates
 Domino's saved-shard rule keeps whole), Userbuffers, and the per-module quantization context
 0.19's wrappers enter around each call (only with ``quant_recipe``, which Domino refuses).
@@ -72,11 +76,15 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
-from te_fp8_stand_in import Fp8Linear, quantize_weight
+from te_fp8_stand_in import Float8Quantizer, Fp8Linear, gather_along_first_dim, quantize_weight
 
+from megatron_domino import te_fp8_inputs
 from megatron_domino.harness.norms import SequenceParallelTorchNorm
 from megatron_domino.row_output import output_dtype_option
 from megatron_domino.te_spec import self_attention_spec, te_norms_apart_layer_spec
+
+# TE's FP8-aware all-gather, which Domino calls for an FP8 input (modelled: te_fp8_stand_in).
+te_fp8_inputs.gather_along_first_dim = gather_along_first_dim
 
 #: How many fp8_autocast stand-ins are open (see ``tests/ranks/test_te_linears.py``); while one is,
 #: the linears run TE 2.x's FP8 weight contract (:mod:`te_fp8_stand_in`).
@@ -117,6 +125,25 @@ class _TEWrapperContract:
         #: TE's per-module FP8 weight cache (``module/base.py``) and how often it cast.
         self._fp8_workspaces: dict = {}
         self.fp8_casts = 0
+        #: TE's FP8 state of the module (``init_fp8_metadata``) and its quantizers.
+        self.fp8 = False
+        self.quantizers: dict | None = None
+
+    def init_fp8_metadata(self, num_gemms: int = 1) -> None:
+        """TE ``module/base.py:1462-1507``: ``fp8`` follows the open ``fp8_autocast``; the
+        quantizers are built on the first FP8 call (a recipe change is not modelled)."""
+        self.fp8 = FP8_CONTEXT_DEPTH[0] > 0
+        if self.fp8 and self.quantizers is None:
+            self.quantizers = {"scaling_fwd": [Float8Quantizer()]}
+
+    def _get_quantizers(self, fp8_output: bool, fp8_grad: bool, is_grad_enabled: bool) -> list:
+        """TE ``module/linear.py:2007-2037``: the input quantizer first, made ``internal`` (the
+        weight's and the gradients' are not modelled here: ``None``)."""
+        if not self.fp8:
+            return [None] * 6
+        input_quantizer = self.quantizers["scaling_fwd"][0]
+        input_quantizer.internal = True
+        return [input_quantizer, None, None, None, None, None]
 
     def _start_call(self) -> bool | None:
         """Record the call; the ``is_first_microbatch`` TE gets (Megatron's wrapper's rule)."""
@@ -129,8 +156,12 @@ class _TEWrapperContract:
 
     def _fp8_gemm(self, input_, bias, first: bool | None, **collectives):
         """TE 2.x's FP8 GEMM of this call (:class:`te_fp8_stand_in.Fp8Linear`)."""
+        self.init_fp8_metadata()  # base.py:1552, in prepare_forward
         options = dict(
-            fuse_wgrad=self.fuse_wgrad_accumulation, is_first_microbatch=first, **collectives
+            fuse_wgrad=self.fuse_wgrad_accumulation,
+            is_first_microbatch=first,
+            input_quantizer=self._get_quantizers(False, False, torch.is_grad_enabled())[0],
+            **collectives,
         )
         fp8_weight = quantize_weight(self, first)
         return Fp8Linear.apply(input_, self.weight, bias, fp8_weight, options)

@@ -99,14 +99,23 @@ def _saved_bytes_and_output(run, exclude) -> tuple[int, object]:
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            storages[storage.data_ptr()] = storage.nbytes()
+        for storage in _storages(tensor):
+            if storage.data_ptr() not in excluded:
+                storages[storage.data_ptr()] = storage.nbytes()
         return tensor.detach()  # not the tensor itself: a saved output would form a cycle
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         kept = run()
     return sum(storages.values()), kept
+
+
+def _storages(tensor: torch.Tensor) -> list:
+    """The storages a saved tensor holds: its own, or a quantized tensor's parts (Transformer
+    Engine's ``Float8Tensor`` is a storage-less wrapper of ``_data``, ``_transpose`` and
+    ``_scale_inv``)."""
+    parts = [getattr(tensor, name, None) for name in ("_data", "_transpose", "_scale_inv")]
+    parts = [part for part in parts if isinstance(part, torch.Tensor)]
+    return [part.untyped_storage() for part in parts] if parts else [tensor.untyped_storage()]
 
 
 @dataclass(frozen=True)

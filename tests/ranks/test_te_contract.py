@@ -13,7 +13,9 @@ Each test below fails on the code before the fix it names (issue 16):
 * one FP8 cast per weight per global batch, as stock, and ``main_grad`` equal to stock's
   (fix 2);
 * no weight-sized sum of placeholder gradients in backward (fix 3), for TE's linears and
-  Megatron's local ones.
+  Megatron's local ones;
+* under FP8 and SP the norm output is gathered, kept and gathered again in FP8, as stock TE
+  does (fix 4, its FP8 half): the TP bytes of each direction equal stock's.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from te_stand_in import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_domino.analysis.collective_bytes import CollectiveBytes
 from megatron_domino.analysis.equivalence import (
     forward_backward,
     mismatches,
@@ -182,6 +185,27 @@ def _fused_step(model, batch, weights) -> dict:
     )
 
 
+def _collective_bytes(model, batch) -> dict:
+    """One FP8 forward and backward: TP payload per kind and direction, and the kinds of the
+    inputs the TE column linears' GEMMs got (``Float8ActivationTensor`` when FP8 arrived)."""
+    inputs = []
+    columns = [m for m in stand_in_linears(model) if m.parallel_mode == "column"]
+    hooks = [
+        m.register_forward_pre_hook(lambda module, args: inputs.append(type(args[0]).__name__))
+        for m in columns
+    ]
+    model.zero_grad(set_to_none=True)
+    with CollectiveBytes() as forward, fp8_stand_in():
+        loss = model(**batch).float().mean()
+    with CollectiveBytes() as backward:
+        loss.backward()
+    for hook in hooks:
+        hook.remove()
+    return dict(
+        forward=dict(forward.bytes), backward=dict(backward.bytes), inputs=sorted(set(inputs))
+    )
+
+
 def _te_contract(sequence_parallel: bool, setting_name: str) -> dict:
     """Stock against Domino on the TE stand-ins under FP8, at the coincident shape."""
     options = _options(sequence_parallel)
@@ -199,6 +223,9 @@ def _te_contract(sequence_parallel: bool, setting_name: str) -> dict:
     with apply_domino(model, config), fp8_stand_in():
         domino = forward_backward(model, batch, finalize_sequence_parallel=True)
     results["uncached_mismatches"] = mismatches(domino, stock, tolerance)[:3]
+    results["stock_bytes"] = _collective_bytes(model, batch)
+    with apply_domino(model, config):
+        results["domino_bytes"] = _collective_bytes(model, batch)
     for linear in stand_in_linears(model):
         linear.disable_parameter_transpose_cache = False
     # Cached casts, fused weight-gradient accumulation.
@@ -227,6 +254,24 @@ def test_fp8_gradients_match_stock_at_the_coincident_shape(te_contract):
     gradient equal stock's (fix 1, end to end; under SP only the saved shards can break it)."""
     _, results = te_contract
     assert not results["uncached_mismatches"], results["uncached_mismatches"]
+
+
+def test_fp8_norm_output_gathered_and_kept_in_fp8_as_stock(te_contract):
+    """Stock TE under SP casts the norm output's shard to FP8 and gathers the FP8 bits, keeps
+    the FP8 shard and gathers it again in backward. Domino's gathers (ahead of the call) and
+    re-gathers move the same bytes in each direction, and its column linears get the FP8 input
+    (before: the norm output gathered in bf16, twice stock's forward bytes at this shape, and
+    its FP8 copy kept whole, so no backward re-gather). Without SP nothing is gathered: equal
+    too."""
+    sequence_parallel, results = te_contract
+    stock, domino = results["stock_bytes"], results["domino_bytes"]
+    assert domino["forward"] == stock["forward"], (domino, stock)
+    assert domino["backward"] == stock["backward"], (domino, stock)
+    if sequence_parallel:
+        assert stock["forward"]["all_gather"] > 0
+        assert domino["inputs"] == ["Float8ActivationTensor"], domino["inputs"]
+    else:
+        assert domino["inputs"] == ["Tensor"], domino["inputs"]
 
 
 def test_one_fp8_cast_per_weight_per_global_batch_and_main_grad_as_stock(te_contract):

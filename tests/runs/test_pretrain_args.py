@@ -15,9 +15,13 @@ import pytest
 from launch import TINY_GPT, run_pretrain
 from megatron.core import utils as megatron_utils
 from megatron.core.extensions import transformer_engine as megatron_te
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.training import arguments as megatron_arguments
+from megatron.training.argument_utils import gpt_config_from_args
 from packaging.version import Version
+from te_stand_in import StandInTEColumnParallelLinear, StandInTESpecProvider
 
+from megatron_domino import te_spec
 from megatron_domino.autotune import AutoTuner, NoCandidateError
 from megatron_domino.config import DominoConfigError, DominoUnsupportedError
 from megatron_domino.training import pretrain as entry
@@ -322,6 +326,30 @@ def test_fused_te_norms_are_refused_under_sequence_parallelism_at_argument_time(
     assert "--spec megatron_domino.te_spec te_norms_apart_block_spec" in str(error.value)
     checked(monkeypatch, *TE_DOMINO, "--sequence-parallel", *TE_NORMS_APART)
     checked(monkeypatch, *TE_DOMINO, "--no-domino-backward-overlap")
+
+
+def test_the_norms_apart_spec_builds_through_megatron_lm_model_config(monkeypatch):
+    """Both entry points build the model from ``gpt_config_from_args`` (Megatron-LM
+    ``core_r0.19``'s ``pretrain_gpt.py`` line 521, where the patch hooks in, and this script):
+    ``--spec`` is imported as given, and ``GPTModelBuilder.build_model`` calls a callable spec
+    with the config and ``vp_stage`` (``megatron/training/models/gpt.py:273-281``). So the
+    spec Domino needs under SP on TE works through the patched ``pretrain_gpt.py`` too: parsed,
+    it is the builder function, and called as the builder calls it (on the TE stand-ins'
+    backend; one stage, so the layer count is the config's) it gives TE's layer with its
+    norms apart."""
+    _installed_te(monkeypatch, "2.18.0")
+    args = checked(monkeypatch, *TE_DOMINO, "--sequence-parallel", *TE_NORMS_APART)
+    model_config = gpt_config_from_args(args)
+    assert model_config.transformer_layer_spec is te_spec.te_norms_apart_block_spec
+    monkeypatch.setattr(te_spec, "_te_backend", StandInTESpecProvider)
+    monkeypatch.setattr(
+        te_spec, "get_num_layers_to_build", lambda config, vp_stage: config.num_layers
+    )
+    block = model_config.transformer_layer_spec(model_config, vp_stage=None)
+    assert len(block.layer_specs) == args.num_layers
+    layer = block.layer_specs[0].submodules
+    assert layer.input_layernorm is not IdentityOp and layer.pre_mlp_layernorm is not IdentityOp
+    assert layer.self_attention.submodules.linear_qkv is StandInTEColumnParallelLinear
 
 
 @pytest.mark.parametrize(
