@@ -1,9 +1,14 @@
-"""Run ``pretrain_gpt_domino.py`` the way users do, under torchrun, and read its JSON log.
+"""Run ``pretrain_gpt_domino.py`` the way users do, as torchrun runs it, and read its JSON log.
 
-The training tests go through the real command line (torchrun, the entry script and its
-``__main__`` guard, which ``dist_checkpointing``'s spawned writer depends on, Megatron-LM's
-own argument parser and ``pretrain()``) rather than calling the loop in-process, so they
-exercise what a user runs. The CPU flags and the log format are
+The training tests go through the real command line (the entry script and its ``__main__``
+guard, which ``dist_checkpointing``'s spawned writer depends on, Megatron-LM's own argument
+parser and ``pretrain()``, one process per rank with torchrun's environment) rather than
+calling the loop in-process, so they exercise what a user runs. The ranks are forked from a
+server that imported torch, Megatron-Core and ``megatron.training`` once
+(:mod:`megatron_domino.harness.script_ranks`): about 12 s of imports per rank saved on each
+launch. ``torchrun=True`` launches under ``python -m torch.distributed.run`` itself (the smoke
+test does, so the torchrun path stays covered; the fault and recipe tests start torchrun or
+``srun`` themselves). The CPU flags and the log format are
 :mod:`megatron_domino.training.runs`'.
 """
 
@@ -14,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_domino.harness.script_ranks import run_script
 from megatron_domino.training.runs import cpu_flags, read_records
 
 SCRIPT = Path(__file__).resolve().parent.parent / "pretrain_gpt_domino.py"
@@ -37,24 +43,39 @@ ENV = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "OMP_NUM_THREADS": "1"}
 
 
 def run_pretrain(
-    flags: list[str], *, cwd: Path, nproc: int | None = 2, expect_success: bool = True
+    flags: list[str],
+    *,
+    cwd: Path,
+    nproc: int | None = 2,
+    expect_success: bool = True,
+    torchrun: bool = False,
 ) -> str:
-    """Run the script in ``cwd`` on ``nproc`` torchrun ranks, or as one plain ``python``
-    process for ``None``; return its output, or fail showing it (unless ``expect_success``
-    is False: then it must fail, and its output is returned)."""
-    launcher = [sys.executable]
-    if nproc is not None:
-        launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
-    command = [*launcher, str(SCRIPT), *flags]
+    """Run the script in ``cwd`` on ``nproc`` ranks (forked as in the module docstring, or
+    under torchrun with ``torchrun``), or as one plain ``python`` process for ``None``; return
+    its output, or fail showing it (unless ``expect_success`` is False: then it must fail, and
+    its output is returned)."""
     env = {**os.environ, **ENV}
-    done = subprocess.run(
-        command, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
-    )
-    output = done.stdout + done.stderr
-    if expect_success:
-        assert done.returncode == 0, f"pretrain_gpt_domino.py failed:\n{output[-6000:]}"
+    if nproc is not None and not torchrun:
+        result = run_script(SCRIPT, flags, nproc=nproc, cwd=cwd, env=env, timeout_s=TIMEOUT_S)
+        returncode, output = result.returncode, result.output
     else:
-        assert done.returncode != 0, f"pretrain_gpt_domino.py did not fail:\n{output[-3000:]}"
+        launcher = [sys.executable]
+        if nproc is not None:
+            launcher += ["-m", "torch.distributed.run", "--standalone"]
+            launcher += ["--nproc-per-node", str(nproc)]
+        done = subprocess.run(
+            [*launcher, str(SCRIPT), *flags],
+            cwd=cwd,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+        returncode, output = done.returncode, done.stdout + done.stderr
+    if expect_success:
+        assert returncode == 0, f"pretrain_gpt_domino.py failed:\n{output[-6000:]}"
+    else:
+        assert returncode != 0, f"pretrain_gpt_domino.py did not fail:\n{output[-3000:]}"
     return output
 
 

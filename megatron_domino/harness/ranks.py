@@ -44,7 +44,7 @@ from typing import Any, Literal
 
 import torch.multiprocessing as mp
 
-__all__ = ["RankFailure", "import_target", "run_ranks"]
+__all__ = ["CPU_PRELOAD", "RankFailure", "free_port", "import_target", "run_ranks"]
 
 _POLL_S = 1.0
 #: What the CPU ranks' fork server imports once (module docstring).
@@ -53,6 +53,10 @@ CPU_PRELOAD = (
     "megatron.core",
     "megatron_domino.harness.cpu_runtime",
     "megatron_domino.harness.distributed",
+    # The training script's imports (megatron.training and Domino's entry point), for
+    # megatron_domino.harness.script_ranks: the server is one per process, shared by both.
+    "megatron.training",
+    "megatron_domino.training.pretrain",
 )
 
 
@@ -60,7 +64,8 @@ class RankFailure(RuntimeError):
     """A rank raised, died or did not finish in time; the message carries its traceback."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a process group's store)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -189,7 +194,7 @@ def run_ranks(
     if device == "cpu":
         ctx.set_forkserver_preload(list(CPU_PRELOAD))  # read when the server first starts
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     processes = [
         ctx.Process(
             target=_rank_main,

@@ -1,7 +1,7 @@
 """``pretrain_gpt_domino.py --domino`` trains exactly like the run without it.
 
-Each case launches the real training script (Megatron-LM's own ``pretrain()``) twice under
-torchrun on gloo ranks (see :mod:`launch`), with the same seed, mock data (``NullTokenizer``)
+Each case launches the real training script (Megatron-LM's own ``pretrain()``) twice on
+gloo ranks as torchrun runs it (see :mod:`launch`), with the same seed, mock data (``NullTokenizer``)
 and flags, once without and
 once with ``--domino`` (two cases whose flags differ only in Domino's share the run without),
 for 20 optimizer steps, and compares the ``--log-json`` records of
@@ -94,7 +94,7 @@ class Case:
     """One layout and model, trained without and with Domino."""
 
     nproc: int
-    """torchrun ranks: 2 for TP = 2, 4 for TP = 2 x DP = 2."""
+    """Ranks: 2 for TP = 2, 4 for TP = 2 x DP = 2."""
     flags: list[str]
     """Flags added to :data:`COMMON` in both arms."""
     chunks: int
@@ -186,8 +186,8 @@ def mock_data_cache(tmp_path_factory) -> Path:
 def _train(case: Case, extra: list[str], *, cwd: Path, cache: Path, name: str):
     """Run one arm as its own launch; return its train records by iteration and its output.
 
-    One launch per arm: a second ``init_process_group`` in the same torchrun workers reuses
-    the agent store's keys of the first run's groups and hangs in ``new_group``.
+    One launch per arm, as a user runs them: each arm's ranks are processes of their own, with
+    their own process groups and Megatron state.
     """
     log_json = cwd / f"{name}.jsonl"
     files = ["--data-cache-path", str(cache), "--log-json", str(log_json)]

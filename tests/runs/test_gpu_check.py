@@ -206,10 +206,10 @@ def one_rank_group():
     """A world-size-1 gloo group in this process, destroyed afterwards."""
     import torch.distributed as dist
 
-    from megatron_domino.harness.ranks import _free_port
+    from megatron_domino.harness.ranks import free_port
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
     )
     try:
         yield

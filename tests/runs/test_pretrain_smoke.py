@@ -30,6 +30,7 @@ def test_tp2_domino_run_on_a_prepared_dataset_decreases_the_loss(tmp_path):
             "--domino", "--domino-report", "--domino-report-iters", "1",
         ],
         cwd=tmp_path,
+        torchrun=True,  # the suite's one launch of the training script under torchrun itself
     )  # fmt: skip
     losses = [record["loss"] for record in train_records(log_json).values()]
     assert len(losses) == 24
