@@ -168,8 +168,8 @@ class LayerOps:
         Under sequence parallelism: launch its all-gather (waited in the core op; in FP8 when
         the linear is Transformer Engine's under an FP8 autocast, as stock TE gathers it:
         :mod:`megatron_domino.te_fp8_inputs`), and with autograd on, prepare the linear to keep
-        only this rank's shard (``normed``, or its FP8 cast) for backward. Otherwise, with backward overlap: place the backward wait of the linear's
-        dX all-reduce.
+        only this rank's shard (``normed``, or its FP8 cast) for backward. Otherwise, with
+        backward overlap: place the backward wait of the linear's dX all-reduce.
         """
         runtime = self.runtime
         grad = torch.is_grad_enabled() and normed.requires_grad

@@ -50,6 +50,8 @@ recipes.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -301,14 +303,10 @@ def gather_along_first_dim(inp, process_group, async_op: bool = False, quantizer
     (or like ``inp`` without one), takes ``inp``'s ``_scale_inv`` (delayed scaling's scales are
     the same on every rank) and receives the gathered ``_data``.
     """
-    if quantizer is not None and not isinstance(
-        inp, (Float8ActivationTensor, Float8ActivationStorage)
-    ):
-        usage = quantizer.rowwise_usage, quantizer.columnwise_usage
-        quantizer.set_usage(rowwise=True, columnwise=False)
-        inp = quantizer(inp)
-        quantizer.set_usage(rowwise=usage[0], columnwise=usage[1])
-    if not isinstance(inp, (Float8ActivationTensor, Float8ActivationStorage)):
+    if quantizer is not None and not _quantized(inp):
+        with _usage(quantizer, rowwise=True, columnwise=False):
+            inp = quantizer(inp)
+    if not _quantized(inp):
         output = inp.new_empty((inp.shape[0] * process_group.size(), *inp.shape[1:]))
         handle = dist.all_gather_into_tensor(
             output, inp.contiguous(), group=process_group, async_op=async_op
@@ -316,10 +314,8 @@ def gather_along_first_dim(inp, process_group, async_op: bool = False, quantizer
         return output, handle
     shape = [inp._data.shape[0] * process_group.size(), *inp._data.shape[1:]]
     if quantizer is not None:
-        usage = quantizer.rowwise_usage
-        quantizer.set_usage(rowwise=True)
-        output = quantizer.make_empty(shape, dtype=inp.dtype, device=inp._data.device)
-        quantizer.set_usage(rowwise=usage)
+        with _usage(quantizer, rowwise=True, columnwise=quantizer.columnwise_usage):
+            output = quantizer.make_empty(shape, dtype=inp.dtype, device=inp._data.device)
     else:
         output = Float8ActivationTensor(
             torch.empty(shape, dtype=torch.uint8), None, inp._scale_inv, inp.dtype
@@ -333,6 +329,17 @@ def gather_along_first_dim(inp, process_group, async_op: bool = False, quantizer
 
 def _quantized(value) -> bool:
     return isinstance(value, (Float8ActivationTensor, Float8ActivationStorage))
+
+
+@contextlib.contextmanager
+def _usage(quantizer: Float8Quantizer, *, rowwise: bool, columnwise: bool):
+    """``quantizer`` with this usage inside, its own restored after (as TE's gather does)."""
+    saved = quantizer.rowwise_usage, quantizer.columnwise_usage
+    quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
+    try:
+        yield
+    finally:
+        quantizer.set_usage(rowwise=saved[0], columnwise=saved[1])
 
 
 class Fp8Linear(torch.autograd.Function):

@@ -38,6 +38,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.multiprocessing as mp
@@ -51,12 +52,13 @@ _POLL_S = 0.2
 _STOP_GRACE_S = 5.0
 
 
+@dataclass(frozen=True)
 class ScriptResult:
     """A finished launch: ``returncode`` (0, or the first failing rank's exit code; ``-9``
     when the time ran out) and ``output`` (every rank's stdout and stderr)."""
 
-    def __init__(self, returncode: int, output: str) -> None:
-        self.returncode, self.output = returncode, output
+    returncode: int
+    output: str
 
 
 def _torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -156,11 +158,11 @@ def run_script(
 def _wait(processes: list, deadline: float) -> int:
     """Wait for every rank; stop the rest when one fails or the time runs out. The launch's
     exit code (see :class:`ScriptResult`)."""
-    failed = 0
+    returncode = 0
     while any(process.is_alive() for process in processes):
         codes = [process.exitcode for process in processes if process.exitcode not in (None, 0)]
-        if codes and not failed:
-            failed = codes[0]
+        if codes and not returncode:
+            returncode = codes[0]
             deadline = min(deadline, time.monotonic() + _STOP_GRACE_S)
             for process in processes:
                 if process.is_alive():
@@ -169,11 +171,9 @@ def _wait(processes: list, deadline: float) -> int:
             for process in processes:
                 if process.is_alive():
                     process.kill()
-            failed = failed or -9
+            returncode = returncode or -9
             break
         time.sleep(_POLL_S)
     for process in processes:
         process.join()
-    if not failed:
-        failed = next((p.exitcode for p in processes if p.exitcode != 0), 0)
-    return failed
+    return returncode or next((p.exitcode for p in processes if p.exitcode != 0), 0)
