@@ -21,8 +21,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# Two workers, one test file each at a time (--dist loadfile keeps a file's module fixtures
+# in one process): a launch's ranks leave a core idle a third of the time (tests/README.md).
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=30 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
 # The developer's loop before a commit (tests/README.md): the unit tier and the core claims.
 FAST_TESTS := tests/unit tests/ranks/test_domino_overlap.py \

@@ -57,6 +57,8 @@ CPU_PRELOAD = (
     # megatron_domino.harness.script_ranks: the server is one per process, shared by both.
     "megatron.training",
     "megatron_domino.training.pretrain",
+    # torch.compile's per-process set-up, which every rank's Megatron kernels need.
+    "megatron_domino.harness.compile_warmup",
 )
 
 
