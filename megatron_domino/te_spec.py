@@ -34,11 +34,10 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import (
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from megatron_domino.block_specs import refuse_features, stage_block
 
 __all__ = ["self_attention_spec", "te_norms_apart_block_spec", "te_norms_apart_layer_spec"]
 
@@ -108,33 +107,21 @@ def te_norms_apart_layer_spec(backend=None) -> ModuleSpec:
 
 def te_norms_apart_block_spec(config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
     """For ``--spec megatron_domino.te_spec te_norms_apart_block_spec``: this pipeline stage's
-    block of :func:`te_norms_apart_layer_spec` layers and TE's final norm.
-
-    Args:
-        config: Megatron-LM's ``GPTModelConfig`` (its ``transformer`` is the
-            ``TransformerConfig``).
-        vp_stage: the virtual pipeline stage being built, or ``None``.
-    Raises:
-        ValueError: a layer feature this dense spec does not build was asked for.
-    """
+    block of :func:`te_norms_apart_layer_spec` layers and TE's final norm. Called as
+    :mod:`megatron_domino.block_specs` says; raises ``ValueError`` for a layer feature this
+    dense spec does not build."""
     transformer = config.transformer
-    refused = [
-        flag
-        for name, flag in (
+    refuse_features(
+        transformer,
+        (
             ("qk_layernorm", "--qk-layernorm"),
             ("num_moe_experts", "--num-experts"),
             ("multi_latent_attention", "--multi-latent-attention"),
-        )
-        if getattr(transformer, name, None)
-    ]
-    if refused:
-        raise ValueError(
-            "--spec megatron_domino.te_spec te_norms_apart_block_spec builds the dense layer "
-            f"only; drop {', '.join(refused)}."
-        )
+        ),
+        "--spec megatron_domino.te_spec te_norms_apart_block_spec builds the dense layer "
+        "only; drop {flags}.",
+    )
     backend = _te_backend()
-    return TransformerBlockSubmodules(
-        layer_specs=[te_norms_apart_layer_spec(backend)]
-        * get_num_layers_to_build(transformer, vp_stage=vp_stage),
-        layer_norm=backend.layer_norm(),
+    return stage_block(
+        te_norms_apart_layer_spec(backend), backend.layer_norm(), transformer, vp_stage
     )

@@ -421,3 +421,12 @@ class StandInTEDotProductAttention(torch.nn.Module):
 
 def stand_in_attentions(model: torch.nn.Module) -> list[StandInTEDotProductAttention]:
     return [m for m in model.modules() if isinstance(m, StandInTEDotProductAttention)]
+
+
+def take_calls(stand_ins: list) -> list[list]:
+    """Each stand-in's ``calls`` logged since the last take, which starts the log afresh
+    (``observe`` of :func:`~megatron_domino.analysis.equivalence.compare_with_stock`)."""
+    taken = [stand_in.calls[:] for stand_in in stand_ins]
+    for stand_in in stand_ins:
+        stand_in.calls.clear()
+    return taken

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -53,9 +53,11 @@ from megatron_domino.analysis.errors import (
     relative_errors,
     worst_gradient_error,
 )
+from megatron_domino.analysis.spans import CollectiveSpan, collective_spans
 from megatron_domino.apply import apply_domino
 from megatron_domino.config import DominoConfig
 from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
+from megatron_domino.recorder import NULL_RECORDER, EventRecorder
 
 __all__ = [
     "BF16_BOUND",
@@ -173,6 +175,8 @@ class SettingComparison:
         dgrad_slots: input-gradient all-reduces Domino launched in backward.
         relative_errors: bf16 only: Domino's norm-relative error against the fp32 reference,
             for ``"loss"`` and each gradient (see :func:`relative_errors`).
+        spans: with ``record``: the step's collectives as the event recorder saw them.
+        observed: with ``observe``: what it returned right after this setting's step.
     """
 
     setting: str
@@ -181,6 +185,8 @@ class SettingComparison:
     left_pending: int
     dgrad_slots: int
     relative_errors: dict[str, float] = field(default_factory=dict)
+    spans: list[CollectiveSpan] = field(default_factory=list)
+    observed: object = None
 
     @property
     def passed(self) -> bool:
@@ -216,12 +222,18 @@ def compare_with_stock(
     tolerance: Tolerance,
     *,
     fp32_reference: torch.nn.Module | None = None,
+    record: bool = False,
+    observe: Callable[[], object] | None = None,
 ) -> StockComparison:
     """Run the stock block, then Domino per ``configs`` entry, then stock again after revert.
 
     ``tolerance`` is :func:`tolerance_for` the model: element-wise against stock (fp32), or
     a :class:`RelativeErrorBound` (bf16), which needs ``fp32_reference``
-    (:func:`fp32_reference_model`) to measure stock's and Domino's errors against.
+    (:func:`fp32_reference_model`) to measure stock's and Domino's errors against. With
+    ``record`` each setting's step runs under an :class:`~megatron_domino.recorder.EventRecorder`
+    (:attr:`SettingComparison.spans`). ``observe`` is called once after the stock runs and once
+    after each setting's step (e.g. to read and reset what stand-in layers logged); what it
+    returns after a setting is :attr:`SettingComparison.observed`.
 
     Runs on every rank of the tensor-parallel group (the collectives need all of them); the
     numbers are this rank's. Nothing is raised for a mismatch: the caller reads
@@ -241,13 +253,17 @@ def compare_with_stock(
     stock_errors = {}
     if bound is not None:
         stock_errors = relative_errors(reference, exact, reference_floor=bound.reference_floor)
+    if observe is not None:
+        observe()
     settings = {}
     for setting, config in configs.items():
-        with apply_domino(model, config) as handle:
+        recorder = EventRecorder() if record else NULL_RECORDER
+        with apply_domino(model, config, recorder=recorder) as handle:
             result = run(model, batch)
             step = handle.runtime.last_step
             left_pending = len(step.pending_forward) + len(step.pending_backward)
             dgrad_slots = len(step.dgrad_slots)
+        observed = observe() if observe is not None else None
         if bound is not None:
             errors = relative_errors(result, exact, reference_floor=bound.reference_floor)
             wrong = bound_violations(errors, stock_errors, bound)
@@ -260,6 +276,8 @@ def compare_with_stock(
             left_pending=left_pending,
             dgrad_slots=dgrad_slots,
             relative_errors=errors,
+            spans=collective_spans(recorder.events()) if record else [],
+            observed=observed,
         )
     revert_error = max_abs_error(run(model, batch), reference)
     return StockComparison(

@@ -304,39 +304,28 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-dir).",
     )
     parser.add_argument(
-        "--vocab-size",
-        type=int,
-        metavar="N",
-        default=defaults.vocab_size,
-        help="Tokenizer vocabulary size; an upper bound for small corpora (default: %(default)s).",
-    )
-    parser.add_argument(
         "--tokenizer-algorithm",
         choices=("bpe", "unigram"),
         default=defaults.tokenizer_algorithm,
         help="SentencePiece model type (default: %(default)s).",
     )
-    parser.add_argument(
-        "--input-sentence-size",
-        type=int,
-        metavar="N",
-        default=defaults.input_sentence_size,
-        help="Lines sampled from the corpus for tokenizer training (default: %(default)s).",
-    )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        metavar="N",
-        default=defaults.seed,
-        help="Seed of the tokenizer's line sampling (default: %(default)s).",
-    )
-    parser.add_argument(
-        "--workers",
-        type=int,
-        metavar="N",
-        default=os.cpu_count() or 1,
-        help="Threads for tokenizer training and encoding (default: all CPUs, %(default)s).",
-    )
+    whole_numbers = {
+        "--vocab-size": (
+            defaults.vocab_size,
+            "Tokenizer vocabulary size; an upper bound for small corpora (default: %(default)s).",
+        ),
+        "--input-sentence-size": (
+            defaults.input_sentence_size,
+            "Lines sampled from the corpus for tokenizer training (default: %(default)s).",
+        ),
+        "--seed": (defaults.seed, "Seed of the tokenizer's line sampling (default: %(default)s)."),
+        "--workers": (
+            os.cpu_count() or 1,
+            "Threads for tokenizer training and encoding (default: all CPUs, %(default)s).",
+        ),
+    }
+    for flag, (default, help_text) in whole_numbers.items():
+        parser.add_argument(flag, type=int, metavar="N", default=default, help=help_text)
     parser.add_argument(
         "--force",
         action="store_true",

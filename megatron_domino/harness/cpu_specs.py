@@ -24,11 +24,9 @@ from __future__ import annotations
 import dataclasses
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from megatron.core.transformer.transformer_block import (
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+from megatron_domino.block_specs import refuse_features, stage_block
 from megatron_domino.harness.norms import SequenceParallelTorchNorm
 
 __all__ = ["sequence_parallel_local_spec"]
@@ -47,27 +45,18 @@ _REFUSED = (
 
 def sequence_parallel_local_spec(config, vp_stage: int | None = None) -> TransformerBlockSubmodules:
     """This pipeline stage's block spec: the local layer spec with sequence-parallel norms.
-
-    Args:
-        config: Megatron-LM's ``GPTModelConfig`` (its ``transformer`` is the
-            ``TransformerConfig``).
-        vp_stage: the virtual pipeline stage being built, or ``None``.
-    Raises:
-        ValueError: a feature whose norms this spec does not build was asked for.
-    """
+    Called as :mod:`megatron_domino.block_specs` says; raises ``ValueError`` for a feature
+    whose norms this spec does not build."""
     transformer = config.transformer
-    refused = [flag for name, flag in _REFUSED if getattr(transformer, name, None)]
-    if refused:
-        raise ValueError(
-            f"--spec megatron_domino.harness.cpu_specs sequence_parallel_local_spec does not build the "
-            f"norms of {', '.join(refused)}; drop them or use Megatron's Apex/TE norms on a GPU."
-        )
+    refuse_features(
+        transformer,
+        _REFUSED,
+        "--spec megatron_domino.harness.cpu_specs sequence_parallel_local_spec does not build the "
+        "norms of {flags}; drop them or use Megatron's Apex/TE norms on a GPU.",
+    )
     spec = get_gpt_layer_local_spec(normalization=transformer.normalization)
     norms = dict(
         input_layernorm=SequenceParallelTorchNorm, pre_mlp_layernorm=SequenceParallelTorchNorm
     )
     layer = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **norms))
-    return TransformerBlockSubmodules(
-        layer_specs=[layer] * get_num_layers_to_build(transformer, vp_stage=vp_stage),
-        layer_norm=SequenceParallelTorchNorm,
-    )
+    return stage_block(layer, SequenceParallelTorchNorm, transformer, vp_stage)

@@ -5,7 +5,7 @@ two cores each spends about 12 s importing torch, Megatron-Core and ``megatron.t
 before the script does anything: most of a tiny training test's launch. :func:`run_script`
 starts the ranks from the fork server of :mod:`megatron_domino.harness.ranks` instead, which
 imported those once (:data:`~megatron_domino.harness.ranks.CPU_PRELOAD`). Each rank is still a
-process of its own, forked from that pristine import state, and runs the script the way
+process of its own, forked from that import state, and runs the script the way
 torchrun's worker does:
 
 * torchrun's environment for a single-node job: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,

@@ -3,7 +3,8 @@
 Each rank builds one TP = 2 model with ``--sequence-parallel`` (residual stream ``[s/tp, b, h]``,
 norms from :mod:`megatron_domino.harness.norms`), runs a forward and backward with the stock block,
 then with Domino for each setting, and compares the per-token loss and every parameter's
-gradient (the norms' gradients are this rank's partial sums in both runs). The recorder must
+gradient (:func:`~megatron_domino.analysis.equivalence.compare_with_stock`: the norms'
+gradients summed over TP, as the optimizer sees them). The recorder must
 show, per layer and chunk, an all-gather before each column-parallel linear and a
 reduce-scatter after each row-parallel one (``k`` of them with column pieces), each matched in
 backward, and nothing left in flight.
@@ -19,19 +20,11 @@ from multiproc import run_on_ranks
 from tiny_models import LLAMA_STYLE, TINY
 
 from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
-from megatron_domino.analysis.equivalence import (
-    forward_backward,
-    max_abs_error,
-    mismatches,
-    token_batch,
-    tolerance_for,
-)
-from megatron_domino.analysis.spans import collective_spans
+from megatron_domino.analysis.equivalence import compare_with_stock, token_batch, tolerance_for
 from megatron_domino.apply import apply_domino
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
 from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.harness.settings import domino_configs
-from megatron_domino.recorder import EventRecorder
 
 LAYERS = 2
 MODELS = {
@@ -52,17 +45,11 @@ def _compare() -> dict:
     for model_name, options in MODELS.items():
         model = build_gpt_model(options)
         batch = token_batch(options, 4)
-        reference = forward_backward(model, batch)
-        for setting, config in SETTINGS.items():
-            recorder = EventRecorder()
-            with apply_domino(model, config, recorder=recorder) as handle:
-                result = forward_backward(model, batch)
-                step = handle.runtime.last_step
-                assert not step.pending_forward and not step.pending_backward
-            wrong = mismatches(result, reference, tolerance_for(options))
-            assert not wrong, (model_name, setting, wrong[:3])
-            spans[(model_name, setting)] = collective_spans(recorder.events())
-        assert max_abs_error(forward_backward(model, batch), reference) == 0, "revert changed it"
+        comparison = compare_with_stock(model, batch, SETTINGS, tolerance_for(options), record=True)
+        for setting, compared in comparison.settings.items():
+            assert compared.passed, (model_name, setting, compared.mismatches[:3])
+            spans[(model_name, setting)] = compared.spans
+        assert comparison.reverted, "revert changed it"
     return spans
 
 

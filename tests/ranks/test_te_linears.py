@@ -19,36 +19,27 @@ numerics.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
 from multiproc import run_on_ranks
 from te_stand_in import (
     FP8_CONTEXT_DEPTH,
     stand_in_linears,
     stand_in_te_layer_spec,
     stand_in_te_norms_apart_layer_spec,
+    take_calls,
 )
 from tiny_models import LLAMA_STYLE
 
 import megatron_domino.block
 from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
-from megatron_domino.analysis.equivalence import (
-    StepResult,
-    forward_backward,
-    max_abs_error,
-    mismatches,
-    token_batch,
-    tolerance_for,
-)
-from megatron_domino.analysis.spans import collective_spans
+from megatron_domino.analysis.equivalence import compare_with_stock, token_batch, tolerance_for
 from megatron_domino.apply import apply_domino
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
 from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.harness.settings import setting as named_setting
-from megatron_domino.recorder import EventRecorder
 
 LAYERS = 2
 MODEL = dict(num_layers=LAYERS, **LLAMA_STYLE)
@@ -77,43 +68,23 @@ def _build(options: GPTOptions) -> torch.nn.Module:
     return build_gpt_model(options, spec=stand_in_te_layer_spec())
 
 
-def _tp_summed(result: StepResult, model: torch.nn.Module) -> StepResult:
-    """``result`` with the gradients of ``sequence_parallel`` parameters summed over TP."""
-    group = parallel_state.get_tensor_model_parallel_group()
-    grads = dict(result.grads)
-    for name, param in model.named_parameters():
-        if getattr(param, "sequence_parallel", False):
-            grads[name] = grads[name].clone()
-            dist.all_reduce(grads[name], group=group)
-    return StepResult(result.loss, grads)
-
-
 def _compare(sequence_parallel: bool) -> dict:
     """On every rank: each setting against the stock block; spans and TE calls per setting."""
     options = _options(sequence_parallel)
     model = _build(options)
-    batch = token_batch(options, 4)
-    reference = _tp_summed(forward_backward(model, batch), model)
+    linears = stand_in_linears(model)
+    settings = {n.name: n.config for n in SETTINGS if n.sequence_parallel == sequence_parallel}
+    comparison = compare_with_stock(
+        model, token_batch(options, 4), settings, tolerance_for(options), record=True,
+        observe=functools.partial(take_calls, linears),
+    )  # fmt: skip
+    assert comparison.reverted, "revert changed the model"
     found = {}
-    for named in SETTINGS:
-        if named.sequence_parallel != sequence_parallel:
-            continue
-        recorder = EventRecorder()
-        for linear in stand_in_linears(model):
-            linear.calls.clear()
-        with apply_domino(model, named.config, recorder=recorder) as handle:
-            result = _tp_summed(forward_backward(model, batch), model)
-            step = handle.runtime.last_step
-            assert not step.pending_forward and not step.pending_backward
-        wrong = mismatches(result, reference, tolerance_for(options))
-        assert not wrong, (named.name, wrong[:3])
-        found[named.name] = dict(
-            spans=collective_spans(recorder.events()),
-            calls=[call for linear in stand_in_linears(model) for call in linear.calls],
-            max_error=max_abs_error(result, reference),
+    for name, compared in comparison.settings.items():
+        assert compared.passed, (name, compared.mismatches[:3], compared.left_pending)
+        found[name] = dict(
+            spans=compared.spans, calls=sum(compared.observed, []), max_error=compared.max_error
         )
-    reverted = _tp_summed(forward_backward(model, batch), model)
-    assert max_abs_error(reverted, reference) == 0, "revert changed the model"
     return found
 
 

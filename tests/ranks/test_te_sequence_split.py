@@ -20,6 +20,8 @@ the GPU check run that).
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from allocations import BoolTensors
@@ -30,24 +32,23 @@ from te_stand_in import (
     stand_in_attentions,
     stand_in_te_layer_spec,
     stand_in_te_norms_apart_layer_spec,
+    take_calls,
     te_attention_probs,
 )
 from tiny_models import LLAMA_STYLE
 
 from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
 from megatron_domino.analysis.equivalence import (
+    compare_with_stock,
     forward_backward,
-    max_abs_error,
     mismatches,
     token_batch,
     tolerance_for,
 )
-from megatron_domino.analysis.spans import collective_spans
 from megatron_domino.apply import apply_domino
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
 from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.harness.settings import setting
-from megatron_domino.recorder import EventRecorder
 
 LAYERS = 2
 #: The settings (names: megatron_domino.harness.settings), all at micro-batch 1.
@@ -58,29 +59,28 @@ def _compare() -> dict:
     """On every rank, for each SP mode: each setting against the stock block."""
     found = {"revert": []}
     for sequence_parallel in (True, False):
-        options = GPTOptions(num_layers=LAYERS, **LLAMA_STYLE, sequence_parallel=sequence_parallel)
-        spec = stand_in_te_norms_apart_layer_spec if sequence_parallel else stand_in_te_layer_spec
+        sp = sequence_parallel
+        options = GPTOptions(num_layers=LAYERS, **LLAMA_STYLE, sequence_parallel=sp)
+        spec = stand_in_te_norms_apart_layer_spec if sp else stand_in_te_layer_spec
         model = build_gpt_model(options, spec=spec(te_attention=True))
         attentions = stand_in_attentions(model)
         batch = token_batch(options, 1)
-        reference = forward_backward(model, batch, finalize_sequence_parallel=True)
-        for named in SETTINGS:
-            if named.sequence_parallel != sequence_parallel:
-                continue
-            sp, config = sequence_parallel, named.config
-            recorder = EventRecorder()
-            for attention in attentions:
-                attention.calls.clear()
-            with apply_domino(model, config, recorder=recorder) as handle:
-                result = forward_backward(model, batch, finalize_sequence_parallel=True)
-                step = handle.runtime.last_step
-                pending = len(step.pending_forward) + len(step.pending_backward)
-            spans = collective_spans(recorder.events())
-            found[named.name] = dict(
-                mismatches=mismatches(result, reference, tolerance_for(options))[:3],
-                pending=pending,
+        settings = {n.name: n.config for n in SETTINGS if n.sequence_parallel == sp}
+        comparison = compare_with_stock(
+            model,
+            batch,
+            settings,
+            tolerance_for(options),
+            record=True,
+            observe=functools.partial(take_calls, attentions),
+        )
+        for name, compared in comparison.settings.items():
+            config = settings[name]
+            found[name] = dict(
+                mismatches=compared.mismatches[:3],
+                pending=compared.left_pending,
                 counts=count_mismatches(
-                    spans,
+                    compared.spans,
                     config,
                     num_layers=LAYERS,
                     sequence_parallel=sp,
@@ -88,15 +88,15 @@ def _compare() -> dict:
                     output_layer=not sp,
                 ),
                 overlap=(
-                    overlap_violations(spans, config, sequence_parallel=sp)[:3]
+                    overlap_violations(compared.spans, config, sequence_parallel=sp)[:3]
                     if config.inter_layer
                     else []
                 ),
-                calls=[attention.calls[:] for attention in attentions],
+                calls=compared.observed,
             )
-        reverted = forward_backward(model, batch, finalize_sequence_parallel=True)
-        found["revert"].append(max_abs_error(reverted, reference))
+        found["revert"].append(comparison.revert_error)
         if sequence_parallel:
+            reference = forward_backward(model, batch, finalize_sequence_parallel=True)
             found["no_mask"] = _without_a_mask(model, batch, reference, options)
     # A TE that takes the mask type only at construction (< 0.12) would run "causal" (top-left).
     attentions[0].te_forward_mask_type = False

@@ -2,11 +2,14 @@
 
 For the numbers to agree, Megatron-LM's checkpoint must restore the model, the optimizer
 moments and step counts, the learning-rate schedule, the data position and every RNG stream,
-and Domino must come back on the resumed model. Layouts, each with ``--domino``: TP = 2 with
-dropout on (so the TP-rank-specific RNG stream that attention dropout draws from matters, and
-the CPU runtime's forked DataLoader seed), DP = 2 x TP = 2 ... see :data:`LAYOUTS`. Megatron-LM
-saves ``torch_dist`` checkpoints (``--ckpt-format``'s default) under ``iter_NNNNNNN/`` and
-``--ckpt-step`` picks the one to resume.
+and Domino must come back on the resumed model. The layout: TP = 2 x PP = 2 with ``--domino``
+and dropout on (so the TP-rank-specific RNG stream that attention dropout draws from matters,
+on each pipeline stage). Megatron-LM saves ``torch_dist`` checkpoints (``--ckpt-format``'s
+default) under ``iter_NNNNNNN/`` and ``--ckpt-step`` picks the one to resume.
+
+Resuming elsewhere: at TP = 2 with dropout (the run restarted by torchrun after a kill, and
+resubmitted after SIGTERM), ``tests/runs/test_faults.py``; under the interleaved pipeline
+schedule with sequence parallelism and ``--ckpt-step``, ``tests/runs/test_domino_vpp.py``.
 """
 
 import pytest
@@ -24,11 +27,6 @@ COMMON = [
 DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
 #: layout -> (ranks, flags)
 LAYOUTS = {
-    "tp2-dropout": (2, [
-        "--tensor-model-parallel-size", "2",
-        "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-        *DROPOUT,
-    ]),
     "tp2-pp2-dropout": (4, [
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", *DROPOUT,
     ]),

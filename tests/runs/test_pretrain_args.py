@@ -21,7 +21,7 @@ from megatron.training.argument_utils import gpt_config_from_args
 from packaging.version import Version
 from te_stand_in import StandInTEColumnParallelLinear, StandInTESpecProvider
 
-from megatron_domino import te_spec
+from megatron_domino import block_specs, te_spec
 from megatron_domino.autotune import AutoTuner, NoCandidateError
 from megatron_domino.config import DominoConfigError, DominoUnsupportedError
 from megatron_domino.training import pretrain as entry
@@ -343,7 +343,7 @@ def test_the_norms_apart_spec_builds_through_megatron_lm_model_config(monkeypatc
     assert model_config.transformer_layer_spec is te_spec.te_norms_apart_block_spec
     monkeypatch.setattr(te_spec, "_te_backend", StandInTESpecProvider)
     monkeypatch.setattr(
-        te_spec, "get_num_layers_to_build", lambda config, vp_stage: config.num_layers
+        block_specs, "get_num_layers_to_build", lambda config, vp_stage: config.num_layers
     )
     block = model_config.transformer_layer_spec(model_config, vp_stage=None)
     assert len(block.layer_specs) == args.num_layers

@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from source_tree import PACKAGE, REPO, module_name
 
-REPO = Path(__file__).resolve().parents[2]
 #: ``../shared/`` beside a checkout holds the project's reference notes (``docs/domino.md``,
 #: ...); a checkout without that folder cannot check citations of them and skips them.
 SHARED = REPO.parent / "shared"
@@ -54,7 +54,7 @@ DOCUMENTS = sorted(
     + [*(REPO / "examples").glob("*.md")]
     + [path for path in [REPO / "patches" / "README.md"] if path.is_file()]
 )
-LIBRARY = sorted((REPO / "megatron_domino").rglob("*.py"))
+LIBRARY = sorted(PACKAGE.rglob("*.py"))
 #: The other Python files: the entry point, the patch's scripts, the tests but this file
 #: (whose text holds stale names on purpose).
 SCRIPTS = sorted(
@@ -119,11 +119,6 @@ class Passage:
     def cite(self, match: re.Match, text: str) -> Citation:
         line = self.first_line + self.text.count("\n", 0, match.start())
         return Citation(self.file.relative_to(REPO).as_posix(), line, text)
-
-
-def module_name(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
 def passages() -> Iterator[Passage]:

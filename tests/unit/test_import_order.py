@@ -10,19 +10,13 @@ no import runs.
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[2] / "megatron_domino"
-
-
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+from source_tree import library_modules
 
 
 def import_graph() -> dict[str, set[str]]:
     """``module -> the library modules it imports`` (at any depth: functions, ``TYPE_CHECKING``)."""
-    modules = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    modules = library_modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):

@@ -120,20 +120,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--warmup", type=int, default=2, help="Warm-up iterations per arm. Default 2."
     )
-    parser.add_argument(
-        "--cases",
-        nargs="+",
-        choices=sorted(CASES),
-        default=sorted(CASES),
-        help="Model shapes to run.",
-    )
-    parser.add_argument(
-        "--settings",
-        nargs="+",
-        choices=sorted(SETTINGS),
-        default=list(SETTINGS),
-        help="Domino settings to run (each shape runs those of them it lists).",
-    )
+    for flag, names, help_text in (
+        ("--cases", sorted(CASES), "Model shapes to run."),
+        ("--settings", list(SETTINGS), "Domino settings to run (each shape runs those it lists)."),
+    ):
+        parser.add_argument(flag, nargs="+", choices=sorted(names), default=names, help=help_text)
     parser.add_argument(
         "--deepspeed",
         action="store_true",

@@ -24,11 +24,17 @@ from __future__ import annotations
 
 import time
 
-from megatron_domino.tools.gpu_check.results import PartResult
+from megatron_domino.tools.gpu_check.results import Part, PartResult
+from megatron_domino.tools.markdown import markdown_table
 
 __all__ = ["SETTINGS", "capture_rank", "run_part"]
 
-TITLE = "6. CUDA graph capture of a Domino step (no-op collectives)"
+PART = Part(
+    "capture",
+    "6. CUDA graph capture of a Domino step (no-op collectives)",
+    "megatron_domino.tools.gpu_check.check_capture:capture_rank",
+    failure_summary="a rank failed (a capture error is the answer: see the reason);",
+)
 SETTINGS = ("p2", "sp-s2")
 NEEDS_CUDA = (
     "needs CUDA: a CUDA graph capture and replay of a Domino step (on the CPU, "
@@ -125,37 +131,28 @@ def _passed(row: dict) -> bool:
     return not row["hazards"] and row["replay_vs_eager"] == 0.0 and row["replay_vs_replay"] == 0.0
 
 
-def _table(rows: list[dict]) -> str:
-    lines = [
-        "| rank | setting | host hazards | replay vs eager | replay vs replay | result |",
-        "|---|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {rank} | {r['setting']} | {len(r['hazards'])} | {r['replay_vs_eager']:.3g} | "
-        f"{r['replay_vs_replay']:.3g} | {'passed' if _passed(r) else 'FAILED'} |"
-        for rank, rows_of_rank in enumerate(rows)
-        for r in rows_of_rank
-    ]
-    return "\n".join(lines)
+def _table(rows: list[list[dict]]) -> str:
+    header = ("rank", "setting", "host hazards", "replay vs eager", "replay vs replay", "result")
+    return markdown_table(
+        header,
+        (
+            (rank, r["setting"], len(r["hazards"]), f"{r['replay_vs_eager']:.3g}",
+             f"{r['replay_vs_replay']:.3g}", "passed" if _passed(r) else "FAILED")
+            for rank, rows_of_rank in enumerate(rows)
+            for r in rows_of_rank
+        ),
+    )  # fmt: skip
 
 
 def run_part(device: str, quick: bool, budget_s: float) -> PartResult:
     """The part, as the check's parent runs it (two ranks on the GPU within ``budget_s``)."""
     del quick  # two tiny settings either way
-    from megatron_domino.tools.gpu_check.parts import _skipped, run_part_ranks
+    from megatron_domino.tools.gpu_check.parts import run_part_ranks
 
     if device != "cuda":
-        return _skipped("capture", TITLE, NEEDS_CUDA, budget_s)
+        return PART.skipped(NEEDS_CUDA, budget_s)
     start = time.monotonic()
-    per_rank, failed_part = run_part_ranks(
-        "megatron_domino.tools.gpu_check.check_capture:capture_rank",
-        name="capture",
-        title=TITLE,
-        budget_s=budget_s,
-        device=device,
-        args=(SETTINGS,),
-        failure_summary="a rank failed (a capture error is the answer: see the reason);",
-    )
+    per_rank, failed_part = run_part_ranks(PART, budget_s=budget_s, device=device, args=(SETTINGS,))
     if failed_part is not None:
         return failed_part
     failed = [
@@ -165,14 +162,11 @@ def run_part(device: str, quick: bool, budget_s: float) -> PartResult:
         if not _passed(row)
     ]
     total = sum(len(rows) for rows in per_rank)
-    return PartResult(
-        name="capture",
-        title=TITLE,
-        status="failed" if failed else "passed",
-        summary=f"{total - len(failed)} of {total} captures replayed exactly as eager",
-        reason=("failed: " + "; ".join(failed)) if failed else None,
-        elapsed_s=time.monotonic() - start,
-        budget_s=budget_s,
+    return PART.judged(
+        failed,
+        f"{total - len(failed)} of {total} captures replayed exactly as eager",
+        budget_s,
+        start=start,
         notes=["TP collectives are no-ops: gloo's cannot be captured in a CUDA graph."],
         details={"settings": list(SETTINGS), "ranks": per_rank},
         table=_table(per_rank),

@@ -26,11 +26,16 @@ import time
 
 from megatron_domino.harness.model_options import LLAMA_FLAVOUR
 from megatron_domino.tools.bench.host_time import with_ratios
-from megatron_domino.tools.gpu_check.results import PartResult
+from megatron_domino.tools.gpu_check.results import Part, PartResult
+from megatron_domino.tools.markdown import markdown_table
 
 __all__ = ["ARMS", "model_fields", "run_part"]
 
-TITLE = "5. host time vs device time per layer (no-op collectives)"
+PART = Part(
+    "host",
+    "5. host time vs device time per layer (no-op collectives)",
+    "megatron_domino.tools.bench.host_time:host_time_rank",
+)
 #: Arms per micro-batch: the batch split needs b divisible by p.
 ARMS = {1: ("stock", "s2"), 2: ("stock", "p2", "s2")}
 LAYERS = 4
@@ -63,17 +68,17 @@ def _verdict(row: dict) -> str:
 
 
 def _table(rows: list[dict]) -> str:
-    lines = [
-        "| b | arm | host ms/layer | vs stock | device ms/layer | aten ops/layer | verdict |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        device = "n/a" if row["device_ms"] is None else f"{row['device_ms']:.3f}"
-        lines.append(
-            f"| {row['micro_batch']} | {row['arm']} | {row['host_ms']:.3f} | "
-            f"{row['host_vs_stock']:.2f}x | {device} | {row['aten_ops']:.0f} | {row['verdict']} |"
-        )
-    return "\n".join(lines)
+    header = ("b", "arm", "host ms/layer", "vs stock", "device ms/layer", "aten ops/layer",
+              "verdict")  # fmt: skip
+    return markdown_table(
+        header,
+        (
+            (r["micro_batch"], r["arm"], f"{r['host_ms']:.3f}", f"{r['host_vs_stock']:.2f}x",
+             "n/a" if r["device_ms"] is None else f"{r['device_ms']:.3f}",
+             f"{r['aten_ops']:.0f}", r["verdict"])
+            for r in rows
+        ),
+    )  # fmt: skip
 
 
 def run_part(device: str, quick: bool, budget_s: float) -> PartResult:
@@ -82,24 +87,11 @@ def run_part(device: str, quick: bool, budget_s: float) -> PartResult:
 
     unavailable = model_parts_unavailable()
     if unavailable:
-        return PartResult(
-            name="host",
-            title=TITLE,
-            status="skipped",
-            summary="",
-            reason=unavailable,
-            budget_s=budget_s,
-        )
+        return PART.skipped(unavailable, budget_s)
     start = time.monotonic()
     warmup, iters = (2, 5) if quick or device == "cpu" else (3, 10)
-    per_rank, failed_part = run_part_ranks(
-        "megatron_domino.tools.bench.host_time:host_time_rank",
-        name="host",
-        title=TITLE,
-        budget_s=budget_s,
-        device=device,
-        args=(device, model_fields(device), ARMS, warmup, iters),
-    )
+    args = (device, model_fields(device), ARMS, warmup, iters)
+    per_rank, failed_part = run_part_ranks(PART, budget_s=budget_s, device=device, args=args)
     if failed_part is not None:
         return failed_part
     rows = with_ratios(per_rank[0]["rows"])
@@ -129,13 +121,11 @@ def run_part(device: str, quick: bool, budget_s: float) -> PartResult:
             for r in rows
         )
         notes = ["CPU stand-in: no device time and no launch-bound verdict; host time is wall."]
-    return PartResult(
-        name="host",
-        title=TITLE,
-        status="passed",
-        summary=summary,
-        elapsed_s=time.monotonic() - start,
-        budget_s=budget_s,
+    return PART.result(
+        "passed",
+        summary,
+        budget_s,
+        start=start,
         notes=notes,
         details={"rows": rows, "options": per_rank[0]["options"], "layers": LAYERS},
         table=_table(rows),

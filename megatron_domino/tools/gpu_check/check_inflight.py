@@ -28,11 +28,19 @@ from __future__ import annotations
 
 import time
 
-from megatron_domino.tools.gpu_check.results import PartResult
+from megatron_domino.tools.gpu_check.results import Part, PartResult
+from megatron_domino.tools.markdown import markdown_table
 
 __all__ = ["CASES", "inflight_rank", "run_part"]
 
-TITLE = "4. in-flight collectives (NCCL, world size 1)"
+PART = Part(
+    "inflight",
+    "4. in-flight collectives (NCCL, world size 1)",
+    "megatron_domino.tools.gpu_check.check_inflight:inflight_rank",
+    failure_summary="the process failed;",
+    world_size=1,
+    init="plain",
+)
 CASES = (
     "InFlight: forward all-reduce",
     "SequenceCollective: all-gather",
@@ -177,16 +185,14 @@ def inflight_rank(device: str) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    lines = [
-        "| case | launches | max abs error | left in flight | result |",
-        "|---|---|---|---|---|",
-    ]
-    lines += [
-        f"| {r['case']} | {r['launches']} | {r['error']:.3g} | {r['left_pending']} | "
-        f"{'passed' if r['passed'] else 'FAILED'} |"
-        for r in rows
-    ]
-    return "\n".join(lines)
+    return markdown_table(
+        ("case", "launches", "max abs error", "left in flight", "result"),
+        (
+            (r["case"], r["launches"], f"{r['error']:.3g}", r["left_pending"],
+             "passed" if r["passed"] else "FAILED")
+            for r in rows
+        ),
+    )  # fmt: skip
 
 
 def run_part(device: str, quick: bool, budget_s: float) -> PartResult:
@@ -196,29 +202,16 @@ def run_part(device: str, quick: bool, budget_s: float) -> PartResult:
 
     start = time.monotonic()
     backend = "NCCL" if device == "cuda" else "gloo (CPU stand-in: no NCCL semantics)"
-    per_rank, failed_part = run_part_ranks(
-        "megatron_domino.tools.gpu_check.check_inflight:inflight_rank",
-        name="inflight",
-        title=TITLE,
-        budget_s=budget_s,
-        device=device,
-        args=(device,),
-        failure_summary="the process failed;",
-        world_size=1,
-        init="plain",
-    )
+    per_rank, failed_part = run_part_ranks(PART, budget_s=budget_s, device=device, args=(device,))
     if failed_part is not None:
         return failed_part
     (rows,) = per_rank
     failed = [r["case"] for r in rows if not r["passed"] or r["left_pending"]]
-    return PartResult(
-        name="inflight",
-        title=TITLE,
-        status="failed" if failed else "passed",
-        summary=f"{len(rows) - len(failed)} of {len(rows)} cases passed on {backend}",
-        reason=("failed: " + "; ".join(failed)) if failed else None,
-        elapsed_s=time.monotonic() - start,
-        budget_s=budget_s,
+    return PART.judged(
+        failed,
+        f"{len(rows) - len(failed)} of {len(rows)} cases passed on {backend}",
+        budget_s,
+        start=start,
         notes=[] if device == "cuda" else [f"ran on {backend}."],
         details={"backend": backend, "cases": rows},
         table=_table(rows),

@@ -22,7 +22,8 @@ from megatron_domino.harness.ranks import RankFailure, run_ranks
 from megatron_domino.harness.settings import setting
 from megatron_domino.tools.gpu_check import check_equivalence, check_overlap, gemm, probe
 from megatron_domino.tools.gpu_check.probe import Collectives, staging_plan
-from megatron_domino.tools.gpu_check.results import PartResult
+from megatron_domino.tools.gpu_check.results import Part, PartResult, say
+from megatron_domino.tools.markdown import markdown_table
 
 __all__ = [
     "Collectives",
@@ -32,14 +33,29 @@ __all__ = [
     "run_overlap",
     "run_part_ranks",
     "run_probe",
+    "say",
     "staging_plan",
 ]
 
 TP = 2
-
-
-def say(message: str) -> None:
-    print(f"[gpu_check] {message}", flush=True)
+PROBE = Part(
+    "probe",
+    "0. gloo probe",
+    "megatron_domino.tools.gpu_check.probe:probe_rank",
+    failure_summary="the probe did not finish;",
+    init="plain",
+)
+EQUIVALENCE = Part(
+    "equivalence",
+    "1. equivalence (TP=2, loss + grads)",
+    "megatron_domino.tools.gpu_check.check_equivalence:equivalence_rank",
+)
+OVERLAP = Part(
+    "overlap",
+    "2. overlap structure (event recorder)",
+    "megatron_domino.tools.gpu_check.check_overlap:overlap_rank",
+)
+GEMM = Part("gemm", "3. GEMM efficiency (p x k splits)")
 
 
 def _failure_reason(error: BaseException, lines: int = 6) -> str:
@@ -84,18 +100,8 @@ def model_parts_unavailable() -> str | None:
 def run_probe(device: str, budget_s: float) -> tuple[PartResult, dict[str, bool | None]]:
     """Part 0: which collectives gloo runs on ``device`` tensors (two ranks)."""
     say(f"probe: gloo collectives on {device} tensors, 2 ranks (budget {budget_s:.0f} s)")
-    title = "0. gloo probe"
     start = time.monotonic()
-    per_rank, failed_part = run_part_ranks(
-        "megatron_domino.tools.gpu_check.probe:probe_rank",
-        name="probe",
-        title=title,
-        budget_s=budget_s,
-        device=device,
-        args=(device,),
-        failure_summary="the probe did not finish;",
-        init="plain",
-    )
+    per_rank, failed_part = run_part_ranks(PROBE, budget_s=budget_s, device=device, args=(device,))
     if failed_part is not None:
         return failed_part, dict.fromkeys(probe.COLLECTIVES)
     outcomes = per_rank[0]
@@ -103,18 +109,19 @@ def run_probe(device: str, budget_s: float) -> tuple[PartResult, dict[str, bool 
     for line in lines:
         say(f"probe: {line}")
     supported = probe.supported(outcomes)
-    table = "| collective | dtype | mode | result |\n|---|---|---|---|\n" + "\n".join(
-        f"| {o.collective} | {o.dtype} | {'async_op=True' if o.async_op else 'blocking'} | "
-        f"{'works' if o.ok else o.error.replace('|', '/')} |"
-        for o in outcomes
-    )
-    part = PartResult(
-        name="probe",
-        title=title,
-        status="passed",
-        summary="; ".join(lines),
-        elapsed_s=time.monotonic() - start,
-        budget_s=budget_s,
+    table = markdown_table(
+        ("collective", "dtype", "mode", "result"),
+        (
+            (o.collective, o.dtype, "async_op=True" if o.async_op else "blocking",
+             "works" if o.ok else o.error)
+            for o in outcomes
+        ),
+    )  # fmt: skip
+    part = PROBE.result(
+        "passed",
+        "; ".join(lines),
+        budget_s,
+        start=start,
         details={"outcomes": [o.__dict__ for o in outcomes], "supported": supported},
         table=table,
     )
@@ -122,20 +129,9 @@ def run_probe(device: str, budget_s: float) -> tuple[PartResult, dict[str, bool 
 
 
 def run_part_ranks(
-    target: str,
-    *,
-    name: str,
-    title: str,
-    budget_s: float,
-    device: str,
-    args: tuple,
-    notes: list[str] | None = None,
-    failure_summary: str = "a rank failed;",
-    world_size: int = TP,
-    **options,
+    part: Part, *, budget_s: float, device: str, args: tuple, notes: list[str] | None = None
 ) -> tuple[list | None, PartResult | None]:
-    """Run ``target`` on ``world_size`` ranks (the TP ranks unless told) within the part's
-    budget.
+    """Run ``part.target(*args)`` on the part's ranks within its budget.
 
     Returns ``(per-rank results, None)``, or ``(None, the part's failed result)`` when a rank
     raised, died or ran out of time.
@@ -143,41 +139,19 @@ def run_part_ranks(
     start = time.monotonic()
     try:
         per_rank = run_ranks(
-            target, world_size, device=device, args=args, timeout_s=budget_s, **options
+            part.target,
+            part.world_size,
+            device=device,
+            args=args,
+            timeout_s=budget_s,
+            init=part.init,
         )
         return per_rank, None
     except RankFailure as error:
-        return None, PartResult(
-            name=name,
-            title=title,
-            status="failed",
-            summary=failure_summary,
-            reason=_failure_reason(error),
-            elapsed_s=time.monotonic() - start,
-            budget_s=budget_s,
-            notes=notes or [],
+        reason = _failure_reason(error)
+        return None, part.result(
+            "failed", part.failure_summary, budget_s, start=start, reason=reason, notes=notes or []
         )
-
-
-def _skipped(
-    name: str,
-    title: str,
-    reason: str,
-    budget_s: float,
-    notes: list[str] | None = None,
-    skipped_cases: list[str] | None = None,
-) -> PartResult:
-    say(f"{name}: skipped: {reason}")
-    return PartResult(
-        name=name,
-        title=title,
-        status="skipped",
-        summary="",
-        reason=reason,
-        budget_s=budget_s,
-        notes=notes or [],
-        skipped_cases=skipped_cases or [],
-    )
 
 
 def _runnable(items, collectives: Collectives, name_of) -> tuple[list, list[tuple]]:
@@ -194,10 +168,8 @@ def _runnable(items, collectives: Collectives, name_of) -> tuple[list, list[tupl
 
 
 def _model_part(
-    target: str,
+    part: Part,
     *,
-    name: str,
-    title: str,
     budget_s: float,
     device: str,
     args: tuple,
@@ -207,7 +179,7 @@ def _model_part(
     failure: Callable[[dict], str],
     outcome: Callable[[list[dict], list], tuple[str, dict, str]],
 ) -> PartResult:
-    """Parts 1 and 2: ``target`` on the TP ranks within the budget, its per-rank results
+    """Parts 1 and 2: the part's target on the TP ranks within the budget, its per-rank results
     ``merge``d into rows that each passed or not, judged into one result.
 
     Args:
@@ -216,7 +188,7 @@ def _model_part(
     """
     start = time.monotonic()
     per_rank, failed_part = run_part_ranks(
-        target, name=name, title=title, budget_s=budget_s, device=device, args=args, notes=notes
+        part, budget_s=budget_s, device=device, args=args, notes=notes
     )
     if failed_part is not None:
         failed_part.skipped_cases = skipped_cases
@@ -224,14 +196,11 @@ def _model_part(
     rows = merge(per_rank)
     failed = [row for row in rows if not row["passed"]]
     summary, details, table = outcome(rows, per_rank)
-    return PartResult(
-        name=name,
-        title=title,
-        status="failed" if failed else "passed",
-        summary=summary,
-        reason="failed: " + "; ".join(map(failure, failed)) if failed else None,
-        elapsed_s=time.monotonic() - start,
-        budget_s=budget_s,
+    return part.judged(
+        [failure(row) for row in failed],
+        summary,
+        budget_s,
+        start=start,
         notes=notes,
         skipped_cases=skipped_cases,
         details=details,
@@ -243,10 +212,9 @@ def run_equivalence(
     device: str, quick: bool, collectives: Collectives, budget_s: float
 ) -> PartResult:
     """Part 1: Domino vs unpatched Megatron-Core, loss and every gradient, TP = 2."""
-    title = "1. equivalence (TP=2, loss + grads)"
     unavailable = model_parts_unavailable()
     if unavailable:
-        return _skipped("equivalence", title, unavailable, budget_s)
+        return EQUIVALENCE.skipped(unavailable, budget_s)
     cases, skipped = _runnable(
         check_equivalence.plan(device=device, quick=quick), collectives, lambda c: c["setting"]
     )
@@ -260,7 +228,7 @@ def run_equivalence(
         reason = f"every case needs a collective gloo lacks on {device}: " + "; ".join(
             sorted({", ".join(m) for _, m in skipped})
         )
-        return _skipped("equivalence", title, reason, budget_s, notes, skipped_cases)
+        return EQUIVALENCE.skipped(reason, budget_s, notes, skipped_cases)
     say(
         f"equivalence: {len(cases)} cases on 2 ranks ({device}), budget {budget_s:.0f} s, "
         f"staged: {', '.join(collectives.staged) or 'nothing'}"
@@ -278,9 +246,7 @@ def run_equivalence(
         return summary, details, check_equivalence.table(rows)
 
     return _model_part(
-        "megatron_domino.tools.gpu_check.check_equivalence:equivalence_rank",
-        name="equivalence",
-        title=title,
+        EQUIVALENCE,
         budget_s=budget_s,
         device=device,
         args=(cases, device, quick, list(collectives.staged)),
@@ -294,10 +260,9 @@ def run_equivalence(
 
 def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: float) -> PartResult:
     """Part 2: collective counts and overlap from the event recorder (CUDA events on a GPU)."""
-    title = "2. overlap structure (event recorder)"
     unavailable = model_parts_unavailable()
     if unavailable:
-        return _skipped("overlap", title, unavailable, budget_s)
+        return OVERLAP.skipped(unavailable, budget_s)
     settings, skipped = _runnable(check_overlap.OVERLAP_SETTINGS, collectives, lambda s: s)
     notes = collectives.staging_note()
     skipped_cases = [
@@ -306,7 +271,7 @@ def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: fl
     ]
     if not settings:
         reason = "every setting needs a missing collective"
-        return _skipped("overlap", title, reason, budget_s, notes, skipped_cases)
+        return OVERLAP.skipped(reason, budget_s, notes, skipped_cases)
     timing = "CUDA events" if device == "cuda" else "wall clock"
     say(f"overlap: {', '.join(settings)} on 2 ranks, {timing}, budget {budget_s:.0f} s")
     notes.append(
@@ -316,9 +281,7 @@ def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: fl
         else "exposed/in-flight times are CPU wall clock over loopback gloo."
     )
     return _model_part(
-        "megatron_domino.tools.gpu_check.check_overlap:overlap_rank",
-        name="overlap",
-        title=title,
+        OVERLAP,
         budget_s=budget_s,
         device=device,
         args=(settings, device, quick, list(collectives.staged)),
@@ -346,19 +309,11 @@ def run_gemm(
     """Part 3: TFLOP/s of the layer's GEMMs per (shape, p, k), and the ratio to p = k = 1."""
     import torch
 
-    title = "3. GEMM efficiency (p x k splits)"
     start = time.monotonic()
     try:
         configs = gemm.configurations(spec)
     except ValueError as error:
-        return PartResult(
-            name="gemm",
-            title=title,
-            status="failed",
-            summary="invalid shape set;",
-            reason=str(error),
-            budget_s=budget_s,
-        )
+        return GEMM.result("failed", "invalid shape set;", budget_s, reason=str(error))
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     say(
         f"gemm: {len(configs)} configurations, {str(dtype).removeprefix('torch.')}, "
@@ -375,15 +330,8 @@ def run_gemm(
             progress=progress,
         )
     except Exception as error:  # noqa: BLE001 - e.g. out of memory: report, do not crash
-        return PartResult(
-            name="gemm",
-            title=title,
-            status="failed",
-            summary="timing failed;",
-            reason=f"{type(error).__name__}: {_failure_reason(error, 2)}",
-            elapsed_s=time.monotonic() - start,
-            budget_s=budget_s,
-        )
+        reason = f"{type(error).__name__}: {_failure_reason(error, 2)}"
+        return GEMM.result("failed", "timing failed;", budget_s, start=start, reason=reason)
     notes = []
     if untimed:
         notes.append(
@@ -407,14 +355,12 @@ def run_gemm(
             f"{min(bwd):.2f}x to {max(bwd):.2f}x, without fusion from {min(autograd):.2f}x to "
             f"{max(autograd):.2f}x"
         )
-    return PartResult(
-        name="gemm",
-        title=title,
-        status="passed" if rows else "failed",
-        summary=summary,
+    return GEMM.result(
+        "passed" if rows else "failed",
+        summary,
+        budget_s,
+        start=start,
         reason=None if rows else "no configuration finished within the budget",
-        elapsed_s=time.monotonic() - start,
-        budget_s=budget_s,
         notes=notes,
         details={
             "spec": {k: list(v) for k, v in spec.items()},

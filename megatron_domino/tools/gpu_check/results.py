@@ -12,12 +12,13 @@ then the summary table) into one directory per run.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_domino.tools.provenance import describe, provenance
 
-__all__ = ["PartResult", "environment", "summary_table", "verdict", "write_results"]
+__all__ = ["Part", "PartResult", "environment", "say", "summary_table", "verdict", "write_results"]
 
 STATUSES = ("passed", "failed", "skipped")
 #: The run's verdicts, and the exit status of ``python -m megatron_domino.tools.gpu_check`` for each
@@ -59,6 +60,76 @@ class PartResult:
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
             raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}.")
+
+
+def say(message: str) -> None:
+    """A progress line of the check."""
+    print(f"[gpu_check] {message}", flush=True)
+
+
+@dataclass(frozen=True)
+class Part:
+    """What a part of the check is, before it runs: its key and title in the summary, and what
+    its ranks run (:func:`megatron_domino.tools.gpu_check.parts.run_part_ranks`). Each part's
+    module declares one, and builds its :class:`PartResult` from it, so the key and title are
+    written once.
+
+    Attributes:
+        name: short key (``probe``, ``equivalence``, ...).
+        title: what the summary table calls it.
+        target: ``"module:function"`` each rank runs; ``None`` for a part run in the parent.
+        failure_summary: the summary line when a rank raised, died or ran out of time.
+        world_size: ranks (processes) it runs on.
+        init: :func:`~megatron_domino.harness.ranks.run_ranks`' ``init``.
+    """
+
+    name: str
+    title: str
+    target: str | None = None
+    failure_summary: str = "a rank failed;"
+    world_size: int = 2
+    init: str = "megatron"
+
+    def result(
+        self, status: str, summary: str, budget_s: float, *, start: float | None = None, **fields
+    ) -> PartResult:
+        """The part's result; ``start`` (a ``time.monotonic()``) gives its elapsed time."""
+        elapsed_s = 0.0 if start is None else time.monotonic() - start
+        return PartResult(
+            name=self.name,
+            title=self.title,
+            status=status,
+            summary=summary,
+            elapsed_s=elapsed_s,
+            budget_s=budget_s,
+            **fields,
+        )
+
+    def judged(
+        self, failed: list[str], summary: str, budget_s: float, *, start: float, **fields
+    ) -> PartResult:
+        """``passed``, or ``failed`` naming each of ``failed`` (the rows that did not pass)."""
+        status = "failed" if failed else "passed"
+        reason = "failed: " + "; ".join(failed) if failed else None
+        return self.result(status, summary, budget_s, start=start, reason=reason, **fields)
+
+    def skipped(
+        self,
+        reason: str,
+        budget_s: float,
+        notes: list[str] | None = None,
+        skipped_cases: list[str] | None = None,
+    ) -> PartResult:
+        """The part could not run, and why."""
+        say(f"{self.name}: skipped: {reason}")
+        return self.result(
+            "skipped",
+            "",
+            budget_s,
+            reason=reason,
+            notes=notes or [],
+            skipped_cases=skipped_cases or [],
+        )
 
 
 def environment(device: str) -> dict[str, object]:

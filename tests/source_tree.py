@@ -1,0 +1,20 @@
+"""This checkout's files as the static checks read them (``unit/test_docs_references.py``,
+``unit/test_import_order.py``): the repository root and the library's modules by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGE = REPO / "megatron_domino"
+
+
+def module_name(path: Path) -> str:
+    """The dotted name a library file imports as (a package's ``__init__.py``: the package)."""
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def library_modules() -> dict[str, Path]:
+    """Every module of the library, by dotted name."""
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
