@@ -97,33 +97,17 @@ def transformer_config(
             "takes torch's softmax)."
         )
     return TransformerConfig(
-        num_layers=options.num_layers,
-        hidden_size=options.hidden_size,
+        **{name: getattr(options, name) for name in _SAME_NAMED},
         ffn_hidden_size=options.resolved_ffn_hidden_size,
-        num_attention_heads=options.num_attention_heads,
         num_query_groups=options.resolved_num_query_groups,
-        normalization=options.normalization,
         gated_linear_unit=options.swiglu,
         activation_func=F.silu if options.swiglu else F.gelu,
-        add_bias_linear=options.add_bias_linear,
-        attention_dropout=options.attention_dropout,
-        hidden_dropout=options.hidden_dropout,
-        init_method_std=options.init_method_std,
-        bf16=options.bf16,
         params_dtype=dtype,
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         pipeline_dtype=dtype if pipeline_model_parallel_size > 1 else None,
-        sequence_parallel=options.sequence_parallel,
-        recompute_granularity=options.recompute_granularity,
         recompute_modules=list(options.recompute_modules),
-        recompute_method=options.recompute_method,
-        recompute_num_layers=options.recompute_num_layers,
         fp8=options.fp8_format,
-        fp8_recipe=options.fp8_recipe,
-        fp8_margin=options.fp8_margin,
-        fp8_amax_history_len=options.fp8_amax_history_len,
-        fp8_amax_compute_algo=options.fp8_amax_compute_algo,
         use_cpu_initialization=not cuda,
         # The gelu bias fusion requires a bias; Megatron-LM drops it with --disable-bias-linear.
         bias_activation_fusion=fusion(options.bias_activation_fusion)
@@ -131,10 +115,17 @@ def transformer_config(
         bias_dropout_fusion=fusion(options.bias_dropout_fusion),
         masked_softmax_fusion=masked_softmax_fusion,
         apply_rope_fusion=False,
-        gradient_accumulation_fusion=options.gradient_accumulation_fusion,
         persist_layer_norm=False,
     )
 
+
+#: GPTOptions fields that TransformerConfig takes under the same name and meaning.
+_SAME_NAMED = """
+    num_layers hidden_size num_attention_heads normalization add_bias_linear attention_dropout
+    hidden_dropout init_method_std bf16 sequence_parallel recompute_granularity recompute_method
+    recompute_num_layers fp8_recipe fp8_margin fp8_amax_history_len fp8_amax_compute_algo
+    gradient_accumulation_fusion
+""".split()
 
 #: The extension Megatron's fused-softmax eligibility check imports (fusions/fused_softmax.py).
 _SOFTMAX_KERNEL = "scaled_masked_softmax_cuda"

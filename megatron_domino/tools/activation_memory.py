@@ -59,16 +59,9 @@ __all__ = [
 
 #: The measured model (GPTOptions fields); heads and groups divide every TP size up to 8.
 MODEL = dict(
-    num_layers=2,
-    hidden_size=256,
-    num_attention_heads=16,
-    num_query_groups=8,
-    seq_length=128,
-    vocab_size=512,
-    **LLAMA_FLAVOUR,
-    sequence_parallel=True,
-    bf16=True,
-)
+    num_layers=2, hidden_size=256, num_attention_heads=16, num_query_groups=8, seq_length=128,
+    vocab_size=512, **LLAMA_FLAVOUR, sequence_parallel=True, bf16=True,
+)  # fmt: skip
 MICRO_BATCH = 4
 CHUNKS = 2
 #: Layer implementations: name -> ``"module:function"`` returning the layer spec (``None``:

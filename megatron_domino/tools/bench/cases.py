@@ -16,14 +16,9 @@ __all__ = ["CASES", "SETTINGS"]
 #: regime of real training (thousands of tokens per chunk). h = 1024 keeps gloo's CPU cost per
 #: byte small next to the wire time at a 25-45 % communication share.
 _MODEL = dict(
-    num_layers=4,
-    hidden_size=1024,
-    num_attention_heads=16,
-    seq_length=256,
-    vocab_size=1024,
-    attention_dropout=0.0,
-    hidden_dropout=0.0,
-)
+    num_layers=4, hidden_size=1024, num_attention_heads=16, seq_length=256, vocab_size=1024,
+    attention_dropout=0.0, hidden_dropout=0.0,
+)  # fmt: skip
 _LLAMA = dict(_MODEL, **LLAMA_FLAVOUR, num_query_groups=4, ffn_hidden_size=2816)
 #: The shape of the DeepSpeed comparison in ../shared/docs/deepspeed-domino.md (h = 512, ffn
 #: 2048, 8 heads): 256 tokens per chunk at p = 2, where per-chunk costs weigh more than at

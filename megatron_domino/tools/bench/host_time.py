@@ -31,15 +31,9 @@ __all__ = [
 
 #: Tiny Llama-style layers at TP = 2: compute is negligible next to the host's work.
 HOST_MODEL = dict(
-    num_layers=8,
-    hidden_size=64,
-    num_attention_heads=8,
-    num_query_groups=4,
-    ffn_hidden_size=96,
-    seq_length=16,
-    vocab_size=256,
-    **LLAMA_FLAVOUR,
-)
+    num_layers=8, hidden_size=64, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=96,
+    seq_length=16, vocab_size=256, **LLAMA_FLAVOUR,
+)  # fmt: skip
 HOST_MICRO_BATCH = 4
 
 
