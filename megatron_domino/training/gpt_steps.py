@@ -131,28 +131,25 @@ def forward_step(data_iterator, model):
     return output, partial(_loss_func, batch["loss_mask"])
 
 
+#: GPTDatasetConfig fields that Megatron-LM's arguments hold under the same name.
+_SAME_NAMED_ARGS = """
+    split multiple_validation_sets full_validation num_dataset_builder_threads mmap_bin_files
+    reset_position_ids reset_attention_mask eod_mask_loss object_storage_cache_path
+    mid_level_dataset_surplus allow_ambiguous_pad_tokens data_parallel_size
+""".split()
+
+
 def _dataset_config(args: argparse.Namespace) -> GPTDatasetConfig:
     blend, blend_per_split = get_blend_and_blend_per_split(args)
     return GPTDatasetConfig(
+        **{name: getattr(args, name) for name in _SAME_NAMED_ARGS},
         random_seed=args.seed,
         sequence_length=args.seq_length,
         blend=blend,
         blend_per_split=blend_per_split,
-        split=args.split,
-        multiple_validation_sets=args.multiple_validation_sets,
-        full_validation=args.full_validation,
-        num_dataset_builder_threads=args.num_dataset_builder_threads,
         path_to_cache=args.data_cache_path,
-        mmap_bin_files=args.mmap_bin_files,
         tokenizer=get_tokenizer(),
-        reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask,
-        eod_mask_loss=args.eod_mask_loss,
         create_attention_mask=args.create_attention_mask_in_dataloader,
-        object_storage_cache_path=args.object_storage_cache_path,
-        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
-        allow_ambiguous_pad_tokens=args.allow_ambiguous_pad_tokens,
-        data_parallel_size=args.data_parallel_size,
         sequence_parallel_size=args.tensor_model_parallel_size * args.sequence_parallel,
     )
 
