@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 # Two workers, one test file each at a time (--dist loadfile keeps a file's module fixtures
-# in one process): a launch's ranks leave a core idle a third of the time (tests/README.md).
+# in one process): run serially, the suite left the two cores 30-50 % idle while a launch's
+# ranks waited on each other (vmstat, 2026-12-02); times in tests/README.md.
 test: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
 
