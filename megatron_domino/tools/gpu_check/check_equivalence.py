@@ -19,7 +19,15 @@ from __future__ import annotations
 
 from itertools import groupby
 
-__all__ = ["CASE_SETTINGS", "equivalence_rank", "merge_ranks", "plan", "summary", "table"]
+__all__ = [
+    "CASE_SETTINGS",
+    "equivalence_rank",
+    "failure",
+    "merge_ranks",
+    "plan",
+    "summary",
+    "table",
+]
 
 #: Settings compared (names: :mod:`megatron_domino.harness.settings`).
 CASE_SETTINGS = ("p2", "p2-k2", "s2", "sp-p2", "sp-s2")
@@ -182,6 +190,11 @@ def merge_ranks(per_rank: list[dict]) -> list[dict]:
             row["worst_tensor"] = max(rows, key=lambda r: r["domino_error"])["worst_tensor"]
         merged.append(row)
     return merged
+
+
+def failure(row: dict) -> str:
+    """A failed row, as the part's reason names it."""
+    return f"{row['flavour']} {row['dtype']} {row['setting']}"
 
 
 def summary(rows: list[dict], cases: int) -> str:

@@ -12,7 +12,15 @@ not an NVLink system.
 
 from __future__ import annotations
 
-__all__ = ["OVERLAP_SETTINGS", "LAYERS", "merge_ranks", "overlap_rank", "summary", "table"]
+__all__ = [
+    "OVERLAP_SETTINGS",
+    "LAYERS",
+    "failure",
+    "merge_ranks",
+    "overlap_rank",
+    "summary",
+    "table",
+]
 
 #: Settings recorded: row chunks, chunks with column pieces, pieces alone, and SP.
 OVERLAP_SETTINGS = ("p2", "p2-k2", "p1-k2", "s2", "sp-p2", "sp-s2")
@@ -150,6 +158,11 @@ def merge_ranks(per_rank: list[list[dict]]) -> list[dict]:
         row["problems"] = [f"rank {i}: {p}" for i, r in enumerate(rows) for p in r["problems"]]
         merged.append(row)
     return merged
+
+
+def failure(row: dict) -> str:
+    """A failed row, as the part's reason names it: the setting and its first problem."""
+    return f"{row['setting']}: {row['problems'][0]}"
 
 
 def summary(rows: list[dict], timing: str) -> str:

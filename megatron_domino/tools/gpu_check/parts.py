@@ -17,6 +17,8 @@ from __future__ import annotations
 import importlib.util
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
 
 from megatron_domino.harness.ranks import RankFailure, run_ranks
 from megatron_domino.harness.settings import setting
@@ -167,42 +169,82 @@ def _runnable(items, collectives: Collectives, name_of) -> tuple[list, list[tupl
     return runnable, skipped
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """A model part's work after leaving out what gloo cannot run on the device.
+
+    Attributes:
+        runnable: the cases (part 1) or settings (part 2) that run.
+        skipped: ``(item, the collectives it lacks)`` for each left out.
+        notes: the host-staging caveats of the run.
+        skipped_cases: one line per left-out item, with its reason, for the report.
+    """
+
+    runnable: list
+    skipped: list[tuple]
+    notes: list[str]
+    skipped_cases: list[str]
+
+
+def _plan(
+    part: Part,
+    items: Callable[[], list],
+    name_of: Callable[[object], str],
+    collectives: Collectives,
+    budget_s: float,
+    skip_line: Callable[[object, list[str]], str],
+    nothing_runs: Callable[[list[tuple]], str],
+) -> _Plan | PartResult:
+    """Parts 1 and 2 before they run: the part ``skipped`` when Megatron-Core is missing or
+    every item (``items()``; ``name_of`` gives its setting) lacks a collective (the reason:
+    ``nothing_runs(skipped)``), else what runs and what is left out (``skip_line``)."""
+    unavailable = model_parts_unavailable()
+    if unavailable:
+        return part.skipped(unavailable, budget_s)
+    runnable, skipped = _runnable(items(), collectives, name_of)
+    notes = collectives.staging_note()
+    skipped_cases = [skip_line(item, missing) for item, missing in skipped]
+    if not runnable:
+        return part.skipped(nothing_runs(skipped), budget_s, notes, skipped_cases)
+    return _Plan(runnable, skipped, notes, skipped_cases)
+
+
 def _model_part(
     part: Part,
-    *,
-    budget_s: float,
+    check: ModuleType,
+    plan: _Plan,
     device: str,
-    args: tuple,
-    notes: list[str],
-    skipped_cases: list[str],
-    merge: Callable[[list], list[dict]],
-    failure: Callable[[dict], str],
+    quick: bool,
+    collectives: Collectives,
+    budget_s: float,
     outcome: Callable[[list[dict], list], tuple[str, dict, str]],
 ) -> PartResult:
     """Parts 1 and 2: the part's target on the TP ranks within the budget, its per-rank results
-    ``merge``d into rows that each passed or not, judged into one result.
+    merged (``check.merge_ranks``) into rows that each passed or not, judged into one result.
 
     Args:
-        failure: the words naming a failed row in the part's reason.
+        check: the part's module: ``merge_ranks(per_rank) -> rows`` and ``failure(row)``, the
+            words naming a failed row in the part's reason.
         outcome: ``(rows, per-rank results) -> (summary, details, table)`` of the part.
     """
     start = time.monotonic()
+    args = (plan.runnable, device, quick, list(collectives.staged))
     per_rank, failed_part = run_part_ranks(
-        part, budget_s=budget_s, device=device, args=args, notes=notes
+        part, budget_s=budget_s, device=device, args=args, notes=plan.notes
     )
     if failed_part is not None:
-        failed_part.skipped_cases = skipped_cases
+        failed_part.skipped_cases = plan.skipped_cases
         return failed_part
-    rows = merge(per_rank)
-    failed = [row for row in rows if not row["passed"]]
+    rows = check.merge_ranks(per_rank)
+    failed = [check.failure(row) for row in rows if not row["passed"]]
     summary, details, table = outcome(rows, per_rank)
     return part.judged(
-        [failure(row) for row in failed],
+        failed,
         summary,
         budget_s,
         start=start,
-        notes=notes,
-        skipped_cases=skipped_cases,
+        notes=plan.notes,
+        skipped_cases=plan.skipped_cases,
         details=details,
         table=table,
     )
@@ -212,89 +254,73 @@ def run_equivalence(
     device: str, quick: bool, collectives: Collectives, budget_s: float
 ) -> PartResult:
     """Part 1: Domino vs unpatched Megatron-Core, loss and every gradient, TP = 2."""
-    unavailable = model_parts_unavailable()
-    if unavailable:
-        return EQUIVALENCE.skipped(unavailable, budget_s)
-    cases, skipped = _runnable(
-        check_equivalence.plan(device=device, quick=quick), collectives, lambda c: c["setting"]
+    plan = _plan(
+        EQUIVALENCE,
+        lambda: check_equivalence.plan(device=device, quick=quick),
+        lambda case: case["setting"],
+        collectives,
+        budget_s,
+        skip_line=lambda c, missing: (
+            f"{c['flavour']} {c['dtype']} {c['setting']}: gloo cannot run {', '.join(missing)} "
+            f"on {device} tensors and --host-staging is never"
+        ),
+        nothing_runs=lambda skipped: (
+            f"every case needs a collective gloo lacks on {device}: "
+            + "; ".join(sorted({", ".join(m) for _, m in skipped}))
+        ),
     )
-    notes = collectives.staging_note()
-    skipped_cases = [
-        f"{c['flavour']} {c['dtype']} {c['setting']}: gloo cannot run {', '.join(m)} on "
-        f"{device} tensors and --host-staging is never"
-        for c, m in skipped
-    ]
-    if not cases:
-        reason = f"every case needs a collective gloo lacks on {device}: " + "; ".join(
-            sorted({", ".join(m) for _, m in skipped})
-        )
-        return EQUIVALENCE.skipped(reason, budget_s, notes, skipped_cases)
+    if isinstance(plan, PartResult):
+        return plan
     say(
-        f"equivalence: {len(cases)} cases on 2 ranks ({device}), budget {budget_s:.0f} s, "
-        f"staged: {', '.join(collectives.staged) or 'nothing'}"
+        f"equivalence: {len(plan.runnable)} cases on 2 ranks ({device}), budget {budget_s:.0f} "
+        f"s, staged: {', '.join(collectives.staged) or 'nothing'}"
     )
 
     def outcome(rows: list[dict], per_rank: list) -> tuple[str, dict, str]:
-        summary = check_equivalence.summary(rows, len(cases))
-        if skipped:
-            summary += f"; {len(skipped)} cases skipped"
+        summary = check_equivalence.summary(rows, len(plan.runnable))
+        if plan.skipped:
+            summary += f"; {len(plan.skipped)} cases skipped"
         details = {
             "cases": rows,
-            "skipped": [dict(c, missing=m) for c, m in skipped],
+            "skipped": [dict(c, missing=m) for c, m in plan.skipped],
             "numerics": per_rank[0]["numerics"],
         }
         return summary, details, check_equivalence.table(rows)
 
     return _model_part(
-        EQUIVALENCE,
-        budget_s=budget_s,
-        device=device,
-        args=(cases, device, quick, list(collectives.staged)),
-        notes=notes,
-        skipped_cases=skipped_cases,
-        merge=check_equivalence.merge_ranks,
-        failure=lambda r: f"{r['flavour']} {r['dtype']} {r['setting']}",
-        outcome=outcome,
+        EQUIVALENCE, check_equivalence, plan, device, quick, collectives, budget_s, outcome
     )
 
 
 def run_overlap(device: str, quick: bool, collectives: Collectives, budget_s: float) -> PartResult:
     """Part 2: collective counts and overlap from the event recorder (CUDA events on a GPU)."""
-    unavailable = model_parts_unavailable()
-    if unavailable:
-        return OVERLAP.skipped(unavailable, budget_s)
-    settings, skipped = _runnable(check_overlap.OVERLAP_SETTINGS, collectives, lambda s: s)
-    notes = collectives.staging_note()
-    skipped_cases = [
-        f"{s}: a collective it needs is unsupported on {device} and --host-staging is never"
-        for s, _ in skipped
-    ]
-    if not settings:
-        reason = "every setting needs a missing collective"
-        return OVERLAP.skipped(reason, budget_s, notes, skipped_cases)
+    plan = _plan(
+        OVERLAP,
+        lambda: list(check_overlap.OVERLAP_SETTINGS),
+        lambda name: name,
+        collectives,
+        budget_s,
+        skip_line=lambda name, _: (
+            f"{name}: a collective it needs is unsupported on {device} and --host-staging is never"
+        ),
+        nothing_runs=lambda _: "every setting needs a missing collective",
+    )
+    if isinstance(plan, PartResult):
+        return plan
     timing = "CUDA events" if device == "cuda" else "wall clock"
-    say(f"overlap: {', '.join(settings)} on 2 ranks, {timing}, budget {budget_s:.0f} s")
-    notes.append(
+    say(f"overlap: {', '.join(plan.runnable)} on 2 ranks, {timing}, budget {budget_s:.0f} s")
+    plan.notes.append(
         "exposed/in-flight times are two ranks on one GPU over gloo (reductions on the host), "
         "not NVLink: a plausibility check of the recorder, not Domino's speed-up."
         if device == "cuda"
         else "exposed/in-flight times are CPU wall clock over loopback gloo."
     )
-    return _model_part(
-        OVERLAP,
-        budget_s=budget_s,
-        device=device,
-        args=(settings, device, quick, list(collectives.staged)),
-        notes=notes,
-        skipped_cases=skipped_cases,
-        merge=check_overlap.merge_ranks,
-        failure=lambda r: f"{r['setting']}: {r['problems'][0]}",
-        outcome=lambda rows, _: (
-            check_overlap.summary(rows, timing),
-            {"settings": rows, "skipped": [s for s, _ in skipped]},
-            check_overlap.table(rows),
-        ),
-    )
+
+    def outcome(rows: list[dict], _per_rank: list) -> tuple[str, dict, str]:
+        details = {"settings": rows, "skipped": [name for name, _ in plan.skipped]}
+        return check_overlap.summary(rows, timing), details, check_overlap.table(rows)
+
+    return _model_part(OVERLAP, check_overlap, plan, device, quick, collectives, budget_s, outcome)
 
 
 def run_gemm(
