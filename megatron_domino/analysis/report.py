@@ -29,7 +29,13 @@ from collections import Counter
 from dataclasses import dataclass
 
 from megatron_domino.analysis.criteria import first_wait_of_an_end
-from megatron_domino.analysis.spans import CollectiveSpan, OverlapSummary, overlap_share, summarize
+from megatron_domino.analysis.spans import (
+    CollectiveSpan,
+    OverlapSummary,
+    WithOverlapShare,
+    overlap_share,
+    summarize,
+)
 from megatron_domino.embedding_overlap import EMBEDDING_COLLECTIVE
 from megatron_domino.output_head import HEAD_COLLECTIVE
 
@@ -38,7 +44,7 @@ _DIRECTION_WORDS = {"fwd": "forward", "bwd": "backward"}
 
 
 @dataclass(frozen=True)
-class LayerRow:
+class LayerRow(WithOverlapShare):
     """Totals of one layer's collectives in one direction (all chunks, pieces and passes);
     ``layer`` is the layer's number, or ``emb`` / ``head`` for the embedding's and the output
     layer's (:mod:`megatron_domino.embedding_overlap`, :mod:`megatron_domino.output_head`)."""
@@ -48,11 +54,6 @@ class LayerRow:
     collectives: int
     in_flight_s: float
     exposed_s: float
-
-    @property
-    def overlap_share(self) -> float | None:
-        """:func:`~megatron_domino.analysis.spans.overlap_share` of the row's collectives."""
-        return overlap_share(self.in_flight_s, self.exposed_s)
 
 
 @dataclass(frozen=True)

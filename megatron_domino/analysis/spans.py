@@ -113,19 +113,27 @@ def overlap_share(in_flight_s: float, exposed_s: float) -> float | None:
     return 1.0 - exposed_s / in_flight_s if in_flight_s > 0 else None
 
 
+class WithOverlapShare:
+    """A record of collectives with their ``in_flight_s`` and ``exposed_s`` totals (fields of
+    the dataclass that derives from it), and their :func:`overlap_share`."""
+
+    in_flight_s: float
+    exposed_s: float
+
+    @property
+    def overlap_share(self) -> float | None:
+        """:func:`overlap_share` of these collectives."""
+        return overlap_share(self.in_flight_s, self.exposed_s)
+
+
 @dataclass(frozen=True)
-class OverlapSummary:
+class OverlapSummary(WithOverlapShare):
     """Totals over a set of spans (one direction, or both)."""
 
     collectives: int
     overlapped: int
     exposed_s: float
     in_flight_s: float
-
-    @property
-    def overlap_share(self) -> float | None:
-        """:func:`overlap_share` of these spans."""
-        return overlap_share(self.in_flight_s, self.exposed_s)
 
 
 def summarize(spans: list[CollectiveSpan], direction: str | None = None) -> OverlapSummary:
