@@ -20,14 +20,7 @@ import statistics
 from megatron_domino.harness.model_options import LLAMA_FLAVOUR
 from megatron_domino.tools.bench.cases import SETTINGS
 
-__all__ = [
-    "HOST_MODEL",
-    "host_table",
-    "host_time_rank",
-    "main",
-    "measure_host_time",
-    "with_ratios",
-]
+__all__ = ["HOST_MODEL", "host_table", "host_time_rank", "main", "measure_host_time", "with_ratios"]
 
 #: Tiny Llama-style layers at TP = 2: compute is negligible next to the host's work.
 HOST_MODEL = dict(
