@@ -19,7 +19,7 @@ read ``[s/p, b, h]``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -105,6 +105,7 @@ class DeferredRow:
     gemm: RowGemm
 
 
+@dataclass(eq=False)
 class PendingReduce:
     """The row-parallel output of one chunk whose collective(s) are in flight.
 
@@ -113,7 +114,7 @@ class PendingReduce:
     reduce-scattered along ``s`` to ``[s/tp, b/p, h/k]``. Reading a piece before :meth:`wait`
     would read an unreduced partial sum, so pieces are only reachable through :meth:`wait`.
 
-    Args:
+    Attributes:
         group: the tensor-parallel process group.
         label: recorder label (collective name, layer, chunk).
         bias: added after the reduction when the linear does not return its bias separately
@@ -121,27 +122,22 @@ class PendingReduce:
         scatter: reduce-scatter along the sequence instead of all-reducing.
     """
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        label: CollectiveLabel,
-        bias: torch.Tensor | None = None,
-        scatter: bool = False,
-    ) -> None:
-        self._group = group
-        self._label = label
-        self._bias = bias
-        self._scatter = scatter
-        self._pieces: list[tuple[ForwardAllReduce | SequenceCollective, torch.Tensor]] = []
+    group: dist.ProcessGroup
+    label: CollectiveLabel
+    bias: torch.Tensor | None = None
+    scatter: bool = False
+    _pieces: list[tuple[ForwardAllReduce | SequenceCollective, torch.Tensor]] = field(
+        default_factory=list, init=False, repr=False
+    )
 
     def launch(self, partial: torch.Tensor) -> None:
         """Start the collective of the next column piece ``partial`` (``[s, b/p, h/k]``)."""
         piece = len(self._pieces)
-        if self._scatter:
-            slot = SequenceCollective(self._group, self._label, piece)
+        if self.scatter:
+            slot = SequenceCollective(self.group, self.label, piece)
             self._pieces.append((slot, launch_scatter(partial, slot)))
         else:
-            slot = ForwardAllReduce(self._group, self._label, piece)
+            slot = ForwardAllReduce(self.group, self.label, piece)
             self._pieces.append((slot, slot.launch(partial.contiguous())))
 
     @property
@@ -157,14 +153,14 @@ class PendingReduce:
         """
         if not self._pieces:
             raise RuntimeError(
-                f"{self._label.name} of layer {self._label.layer} chunk "
-                f"{self._label.chunk} was waited twice or never launched."
+                f"{self.label.name} of layer {self.label.layer} chunk "
+                f"{self.label.chunk} was waited twice or never launched."
             )
-        if then_in_backward is not None and not self._scatter:
+        if then_in_backward is not None and not self.scatter:
             raise RuntimeError("then_in_backward applies to reduce-scatters only.")
         outputs = []
         for index, (slot, in_flight) in enumerate(self._pieces):
-            if self._scatter:
+            if self.scatter:
                 # Piece 0's twin is the last of the pieces' to run in backward.
                 then = then_in_backward if index == 0 else None
                 outputs.append(wait_scatter(in_flight, slot, then))
@@ -173,4 +169,4 @@ class PendingReduce:
                 outputs.append(in_flight)
         self._pieces.clear()
         output = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=-1)
-        return output if self._bias is None else output + self._bias
+        return output if self.bias is None else output + self.bias

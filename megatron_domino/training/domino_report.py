@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -88,10 +89,11 @@ def steps_after_comparison(args: argparse.Namespace) -> int:
     return args.domino_report_iters + 1 if args.domino_report else 0
 
 
+@dataclass(eq=False)
 class DominoOverlapReport:
     """Records and reports ``count`` iterations after the run's first (its warm-up).
 
-    Args:
+    Attributes:
         runtimes: the Domino runtimes of this rank's model chunks; read when recording starts
             (the model is built after the report is created).
         count: how many iterations to record (``--domino-report-iters``).
@@ -101,18 +103,11 @@ class DominoOverlapReport:
             records), or ``None``.
     """
 
-    def __init__(
-        self,
-        runtimes: Callable[[], list[DominoRuntime]],
-        count: int,
-        train_iters: Callable[[], int],
-        against_stock: DominoAB | None = None,
-    ) -> None:
-        self._runtimes = runtimes
-        self._count = count
-        self._train_iters = train_iters
-        self._against_stock = against_stock
-        self._iterations: range | None = None
+    runtimes: Callable[[], list[DominoRuntime]]
+    count: int
+    train_iters: Callable[[], int]
+    against_stock: DominoAB | None = None
+    _iterations: range | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def from_args(
@@ -133,11 +128,11 @@ class DominoOverlapReport:
         """Whether to record ``iteration``; the first call is the run's first step (fresh or
         resumed). A run of a single step reports that one: a report with warm-up beats none."""
         if self._iterations is None:
-            last = self._train_iters()
+            last = self.train_iters()
             if iteration >= last:
                 self._iterations = range(iteration, last + 1)
             else:
-                self._iterations = range(iteration + 1, min(iteration + self._count, last) + 1)
+                self._iterations = range(iteration + 1, min(iteration + self.count, last) + 1)
         return iteration in self._iterations
 
     @contextlib.contextmanager
@@ -153,7 +148,7 @@ class DominoOverlapReport:
         from megatron_domino.recorder import EventRecorder
 
         recorder = EventRecorder()
-        runtimes = self._runtimes()
+        runtimes = self.runtimes()
         previous = [runtime.recorder for runtime in runtimes]
         for runtime in runtimes:
             runtime.recorder = recorder
@@ -172,7 +167,7 @@ class DominoOverlapReport:
 
         spans = collective_spans(recorder.events())
         clock = "CUDA events" if recorder.use_cuda_events else "wall clock"
-        ab = self._against_stock if self._against_stock and self._against_stock.done else None
+        ab = self.against_stock if self.against_stock and self.against_stock.done else None
         write(
             {
                 "kind": "domino_report",
@@ -190,12 +185,10 @@ class DominoOverlapReport:
     def against_stock_line(self) -> str:
         """The report's last line: how the run compares with stock, or that it was not timed
         (no ``--domino-ab``, or a resumed run too short for it)."""
-        if self._against_stock is None or not self._against_stock.done:
+        if self.against_stock is None or not self.against_stock.done:
             return (
                 "[domino-report] against stock: not timed in this run. The overlap share above "
                 "is of Domino's own collectives, not a speed-up (the chunks cost time too): "
                 "add --domino-ab N to time stock and Domino alternately in this run."
             )
-        return (
-            f"[domino-report] against stock (--domino-ab, this run): {self._against_stock.line()}"
-        )
+        return f"[domino-report] against stock (--domino-ab, this run): {self.against_stock.line()}"

@@ -113,7 +113,7 @@ def test_attach_adds_the_hook_and_the_loop_hooks(monkeypatch):
         hooks = megatron_training.train_step.__self__
         assert hooks._domino_ab.setting == "p2" and hooks._domino_hook is hook
         # The report, after the A/B, ends with the A/B's numbers against stock.
-        assert hooks._domino_report._against_stock is hooks._domino_ab
+        assert hooks._domino_report.against_stock is hooks._domino_ab
     finally:
         hook.loop_patches.close()
     assert megatron_training.train_step is original
