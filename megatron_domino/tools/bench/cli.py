@@ -40,6 +40,7 @@ from megatron_domino.tools.bench.deepspeed_arm import deepspeed_problems
 from megatron_domino.tools.bench.gpu_scaling import (
     H100_NVLINK_BUSBW_GBS,
     H100_TFLOPS,
+    cpu_gemm_gflops,
     gpu_scaled_rate,
 )
 from megatron_domino.tools.bench.host_time import host_table, measure_host_time
@@ -229,13 +230,12 @@ def _chosen_rate(case: dict, args: argparse.Namespace) -> float:
     if not args.gpu_scaled:
         return _calibrated_rate(case, args.target_comm_share)
     options = GPTOptions(**case["model"])
-    scaled = gpu_scaled_rate(
+    cpu_gflops = cpu_gemm_gflops(
         tokens=options.seq_length * case["micro_batch_size"],
         hidden=options.hidden_size,
         ffn_per_rank=options.resolved_ffn_hidden_size // case["tensor_model_parallel_size"],
-        gpu_tflops=args.gpu_tflops,
-        gpu_busbw_gbs=args.gpu_busbw_gbs,
     )
+    scaled = gpu_scaled_rate(cpu_gflops, args.gpu_tflops, args.gpu_busbw_gbs)
     print(f"  GPU-scaled link: {scaled.describe()}", flush=True)
     return scaled.mbit_s
 

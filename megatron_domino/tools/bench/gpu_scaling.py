@@ -63,13 +63,9 @@ def cpu_gemm_gflops(tokens: int, hidden: int, ffn_per_rank: int, repeats: int = 
 
 
 def gpu_scaled_rate(
-    tokens: int,
-    hidden: int,
-    ffn_per_rank: int,
-    gpu_tflops: float = H100_TFLOPS,
-    gpu_busbw_gbs: float = H100_NVLINK_BUSBW_GBS,
+    cpu_gflops: float, gpu_tflops: float = H100_TFLOPS, gpu_busbw_gbs: float = H100_NVLINK_BUSBW_GBS
 ) -> GpuScaledRate:
-    """The link rate (module docstring) for a case with these GEMM dimensions."""
-    cpu = cpu_gemm_gflops(tokens, hidden, ffn_per_rank)
-    bytes_s = gpu_busbw_gbs * 1e9 * cpu / (gpu_tflops * 1e3)
-    return GpuScaledRate(bytes_s * 8 / 1e6, cpu, gpu_tflops, gpu_busbw_gbs)
+    """The link rate (module docstring) for a case whose GEMM runs at ``cpu_gflops`` here
+    (:func:`cpu_gemm_gflops`)."""
+    bytes_s = gpu_busbw_gbs * 1e9 * cpu_gflops / (gpu_tflops * 1e3)
+    return GpuScaledRate(bytes_s * 8 / 1e6, cpu_gflops, gpu_tflops, gpu_busbw_gbs)
