@@ -61,7 +61,7 @@ class NullRecorder:
         return self._NULL_CONTEXT
 
     def record(self, *_event, **_named) -> None:
-        pass
+        """Records nothing."""
 
     def new_collective_id(self) -> int | None:
         return None

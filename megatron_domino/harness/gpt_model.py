@@ -57,6 +57,15 @@ def padded_vocab_size(vocab_size: int, tensor_model_parallel_size: int) -> int:
     return (vocab_size + multiple - 1) // multiple * multiple
 
 
+#: GPTOptions fields that TransformerConfig takes under the same name and meaning.
+_SAME_NAMED = """
+    num_layers hidden_size num_attention_heads normalization add_bias_linear attention_dropout
+    hidden_dropout init_method_std bf16 sequence_parallel recompute_granularity recompute_method
+    recompute_num_layers fp8_recipe fp8_margin fp8_amax_history_len fp8_amax_compute_algo
+    gradient_accumulation_fusion
+""".split()
+
+
 def transformer_config(
     options: GPTOptions, *, tensor_model_parallel_size: int, pipeline_model_parallel_size: int = 1
 ) -> TransformerConfig:
@@ -118,14 +127,6 @@ def transformer_config(
         persist_layer_norm=False,
     )
 
-
-#: GPTOptions fields that TransformerConfig takes under the same name and meaning.
-_SAME_NAMED = """
-    num_layers hidden_size num_attention_heads normalization add_bias_linear attention_dropout
-    hidden_dropout init_method_std bf16 sequence_parallel recompute_granularity recompute_method
-    recompute_num_layers fp8_recipe fp8_margin fp8_amax_history_len fp8_amax_compute_algo
-    gradient_accumulation_fusion
-""".split()
 
 #: The extension Megatron's fused-softmax eligibility check imports (fusions/fused_softmax.py).
 _SOFTMAX_KERNEL = "scaled_masked_softmax_cuda"

@@ -12,10 +12,11 @@ On the CPU the ranks are forked from a server that has imported torch, Megatron-
 CPU runtime once (``forkserver`` with :data:`CPU_PRELOAD`): each rank of a fresh interpreter
 (``spawn``) spent about 7 s of a tiny test's launch importing them on two cores. A forked rank
 is still a process of its own, started from that import state (the server ran nothing beyond
-the imports but torch.compile's once-per-process set-up, :mod:`~megatron_domino.harness.compile_warmup`),
-with its own environment, process group and Megatron state; the modules it imports afterwards
-(the test's) are its own, and it compiles Megatron's kernels itself. On a GPU the ranks are spawned: CUDA
-must not be initialised before they set their environment.
+the imports but torch.compile's once-per-process set-up,
+:mod:`~megatron_domino.harness.compile_warmup`), with its own environment, process group and
+Megatron state; the modules it imports afterwards (the test's) are its own, and it compiles
+Megatron's kernels itself. On a GPU the ranks are spawned: CUDA must not be initialised before
+they set their environment.
 
 The function is named as ``"module:function"`` and imported only in the ranks, so the parent
 (e.g. the GPU check, which times GEMMs and writes the report) never imports Megatron-Core. Each rank sets, before

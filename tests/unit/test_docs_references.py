@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from source_tree import PACKAGE, REPO, module_name
+from source_tree import REPO, library_modules, module_name
 
 #: ``../shared/`` beside a checkout holds the project's reference notes (``docs/domino.md``,
 #: ...); a checkout without that folder cannot check citations of them and skips them.
@@ -54,7 +54,7 @@ DOCUMENTS = sorted(
     + [*(REPO / "examples").glob("*.md")]
     + [path for path in [REPO / "patches" / "README.md"] if path.is_file()]
 )
-LIBRARY = sorted(PACKAGE.rglob("*.py"))
+LIBRARY = list(library_modules().values())
 #: The other Python files: the entry point, the patch's scripts, the tests but this file
 #: (whose text holds stale names on purpose).
 SCRIPTS = sorted(

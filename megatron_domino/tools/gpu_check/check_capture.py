@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import time
 
+from megatron_domino.tools import markdown
 from megatron_domino.tools.gpu_check.results import Part, PartResult
-from megatron_domino.tools.markdown import markdown_table
 
 __all__ = ["SETTINGS", "capture_rank", "run_part"]
 
@@ -133,7 +133,7 @@ def _passed(row: dict) -> bool:
 
 def _table(rows: list[list[dict]]) -> str:
     header = ("rank", "setting", "host hazards", "replay vs eager", "replay vs replay", "result")
-    return markdown_table(
+    return markdown.table(
         header,
         (
             (rank, r["setting"], len(r["hazards"]), f"{r['replay_vs_eager']:.3g}",

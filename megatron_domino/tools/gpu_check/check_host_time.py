@@ -25,9 +25,9 @@ from __future__ import annotations
 import time
 
 from megatron_domino.harness.model_options import LLAMA_FLAVOUR
+from megatron_domino.tools import markdown
 from megatron_domino.tools.bench.host_time import with_ratios
 from megatron_domino.tools.gpu_check.results import Part, PartResult
-from megatron_domino.tools.markdown import markdown_table
 
 __all__ = ["ARMS", "model_fields", "run_part"]
 
@@ -70,7 +70,7 @@ def _verdict(row: dict) -> str:
 def _table(rows: list[dict]) -> str:
     header = ("b", "arm", "host ms/layer", "vs stock", "device ms/layer", "aten ops/layer",
               "verdict")  # fmt: skip
-    return markdown_table(
+    return markdown.table(
         header,
         (
             (r["micro_batch"], r["arm"], f"{r['host_ms']:.3f}", f"{r['host_vs_stock']:.2f}x",

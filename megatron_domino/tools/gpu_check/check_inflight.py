@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import time
 
+from megatron_domino.tools import markdown
 from megatron_domino.tools.gpu_check.results import Part, PartResult
-from megatron_domino.tools.markdown import markdown_table
 
 __all__ = ["CASES", "inflight_rank", "run_part"]
 
@@ -185,7 +185,7 @@ def inflight_rank(device: str) -> list[dict]:
 
 
 def _table(rows: list[dict]) -> str:
-    return markdown_table(
+    return markdown.table(
         ("case", "launches", "max abs error", "left in flight", "result"),
         (
             (r["case"], r["launches"], f"{r['error']:.3g}", r["left_pending"],

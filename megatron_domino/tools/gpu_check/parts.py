@@ -22,10 +22,10 @@ from types import ModuleType
 
 from megatron_domino.harness.ranks import RankFailure, run_ranks
 from megatron_domino.harness.settings import setting
+from megatron_domino.tools import markdown
 from megatron_domino.tools.gpu_check import check_equivalence, check_overlap, gemm, probe
 from megatron_domino.tools.gpu_check.probe import Collectives, staging_plan
 from megatron_domino.tools.gpu_check.results import Part, PartResult, say
-from megatron_domino.tools.markdown import markdown_table
 
 __all__ = [
     "Collectives",
@@ -39,7 +39,6 @@ __all__ = [
     "staging_plan",
 ]
 
-TP = 2
 PROBE = Part(
     "probe",
     "0. gloo probe",
@@ -111,7 +110,7 @@ def run_probe(device: str, budget_s: float) -> tuple[PartResult, dict[str, bool 
     for line in lines:
         say(f"probe: {line}")
     supported = probe.supported(outcomes)
-    table = markdown_table(
+    table = markdown.table(
         ("collective", "dtype", "mode", "result"),
         (
             (o.collective, o.dtype, "async_op=True" if o.async_op else "blocking",

@@ -62,6 +62,10 @@ class PartResult:
             raise ValueError(f"status must be one of {STATUSES}, got {self.status!r}.")
 
 
+#: The tensor-parallel ranks a model part runs on.
+TP = 2
+
+
 def say(message: str) -> None:
     """A progress line of the check."""
     print(f"[gpu_check] {message}", flush=True)
@@ -79,7 +83,7 @@ class Part:
         title: what the summary table calls it.
         target: ``"module:function"`` each rank runs; ``None`` for a part run in the parent.
         failure_summary: the summary line when a rank raised, died or ran out of time.
-        world_size: ranks (processes) it runs on.
+        world_size: ranks (processes) it runs on: the TP ranks unless told.
         init: :func:`~megatron_domino.harness.ranks.run_ranks`' ``init``.
     """
 
@@ -87,7 +91,7 @@ class Part:
     title: str
     target: str | None = None
     failure_summary: str = "a rank failed;"
-    world_size: int = 2
+    world_size: int = TP
     init: str = "megatron"
 
     def result(
