@@ -1,0 +1,100 @@
+"""Transformer Engine's own Python on the CPU: a backend for its compiled extension, and the boot.
+
+``pip install --no-deps transformer-engine==2.18.0`` installs all of TE's PyTorch code; what
+is missing on a machine without CUDA is the compiled extension ``transformer_engine_torch``
+(and ``libtransformer_engine.so`` behind it). :func:`boot` makes TE importable and runnable
+here, using TE's own switches and nothing of its code:
+
+1. ``NVTE_PROJECT_BUILDING=1`` (TE ``common/__init__.py``: skip loading cuDNN, NVRTC, cuRAND
+   and the core library) and ``NVTE_TORCH_COMPILE=0`` (``pytorch/jit.py``: no
+   ``torch.compile`` around TE's fusions);
+2. the backend module below registered as ``transformer_engine_torch``, and TE's
+   ``load_framework_extension`` (which would load the ``.so``) made a no-op;
+3. TE's CUDA questions answered for TE's callers only (:mod:`te_cpu.cuda_answers`).
+
+The backend is the extension's functions that a step of TE's ``Linear``,
+``LayerNormLinear``, norms and unfused attention calls (:mod:`te_cpu.gemm`,
+:mod:`te_cpu.fp8`, :mod:`te_cpu.norms`), its enums (:mod:`te_cpu.enums`) and a few version
+queries. Every other name TE binds at import is a placeholder class that raises, naming the
+function, when TE calls it: what a GPU alone runs (fused attention, userbuffers, MXFP8/NVFP4,
+the multi-tensor optimizer kernels) is never modelled silently. TE is booted only in the
+processes of TE tests (``multiproc.run_on_ranks(..., te=True)``), so Megatron-Core elsewhere
+runs as it does for a user without TE.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+
+__all__ = ["boot", "te_version_line"]
+
+_MODULE = "transformer_engine_torch"
+
+
+class _Unavailable:
+    """A name of TE's extension that the CPU backend does not provide: calling it (or
+    constructing it) raises; it can still stand in a type hint or an ``isinstance``."""
+
+    def __new__(cls, *args, **kwargs):
+        raise NotImplementedError(
+            f"transformer_engine_torch.{cls.__name__} is not provided by the CPU backend "
+            "(tests/te_cpu): it runs on a GPU only"
+        )
+
+
+def _extension() -> types.ModuleType:
+    from te_cpu import enums, fp8, gemm, norms
+
+    module = types.ModuleType(_MODULE, __doc__)
+    for source in (enums, fp8, gemm, norms):
+        for name in source.__all__:
+            setattr(module, name, getattr(source, name))
+    module.get_cudnn_version = lambda: 91000
+    module.get_cublasLt_version = lambda: 130000
+    module.get_num_cublas_streams = lambda: 4
+    module.get_fused_attn_backend = lambda *args, **kwargs: (
+        enums.NVTE_Fused_Attn_Backend.NVTE_No_Backend
+    )
+    module.__getattr__ = lambda name: (
+        _unavailable(name) if not name.startswith("__") else _no_attribute(name)
+    )
+    return module
+
+
+def _unavailable(name: str) -> type:
+    return type(name, (_Unavailable,), {"__module__": _MODULE})
+
+
+def _no_attribute(name: str):
+    raise AttributeError(name)
+
+
+def boot() -> types.ModuleType:
+    """Make ``import transformer_engine.pytorch`` work on this CPU (module docstring); returns
+    ``transformer_engine.pytorch``. Call it before anything imports Megatron-Core, whose
+    ``HAVE_TE`` is decided at import."""
+    if _MODULE in sys.modules:
+        return importlib.import_module("transformer_engine.pytorch")
+    os.environ["NVTE_PROJECT_BUILDING"] = "1"
+    os.environ["NVTE_TORCH_COMPILE"] = "0"
+    from te_cpu.cuda_answers import answer_te_cuda_questions
+
+    answer_te_cuda_questions()
+    sys.modules[_MODULE] = _extension()
+    import transformer_engine.common
+
+    transformer_engine.common.load_framework_extension = lambda framework: None
+    return importlib.import_module("transformer_engine.pytorch")
+
+
+def te_version_line() -> str:
+    """What the pytest header prints: the TE the suite runs, and on what."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"transformer-engine {version('transformer-engine')} (TE's Python, CPU backend)"
+    except PackageNotFoundError:
+        return "transformer-engine not installed: the TE tests are skipped"
