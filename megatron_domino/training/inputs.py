@@ -14,7 +14,8 @@ torchrun and SLURM see a job that finished. This module adds:
   tracker and was completely saved. Object-store paths (``scheme://``) are left to Megatron.
 * :func:`clear_load_errors`, a patch of the ``load_checkpoint`` that ``setup_model_and_optimizer``
   calls: whatever makes the load fail (a tensor of another shape, Megatron's own argument
-  comparison, a changed learning-rate schedule) is raised again as :class:`CheckpointError`,
+  comparison, a changed learning-rate schedule, the distributed optimizer's resume without
+  Apex or Transformer Engine) is raised again as :class:`CheckpointError`,
   one line naming the checkpoint, the cause and the fix. It fails on every rank (the checks
   that fail are collective or run on every rank), before the data caches, ``--log-json`` or a
   checkpoint are written (a ``--tensorboard-dir`` is already open by then).
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import re
+import traceback
 from pathlib import Path
 
 from megatron.training import get_args
@@ -174,6 +176,32 @@ def _root_cause(err: BaseException) -> BaseException:
     return err
 
 
+#: Why a run with ``--use-distributed-optimizer`` cannot resume without Apex or Transformer
+#: Engine, and what to do instead (see :func:`_distributed_optimizer_without_fused_adam`).
+_DISTRIBUTED_OPTIMIZER_FIX = (
+    "Megatron-Core's distributed optimizer cannot resume without Apex or Transformer Engine "
+    "(here, e.g. on the CPU, it falls back to torch's Adam, whose state is empty until the "
+    "first step, and its state_dict asserts on that before loading): the flags are not the "
+    "problem. Resume where Apex or Transformer Engine is installed, or start a new run "
+    "(another --save/--load directory) without --use-distributed-optimizer (the recipes in "
+    "examples/: DISTRIBUTED_OPTIMIZER=0, the default with CPU=1)."
+)
+
+
+def _distributed_optimizer_without_fused_adam(cause: BaseException) -> bool:
+    """Whether ``cause`` is Megatron-Core 0.19's assertion in ``DistributedOptimizer.state_dict``
+    that a resume meets without Apex or TE: it reads Adam's ``step`` from torch's optimizer
+    state, which is empty before the first step, i.e. at every load. The flags match the
+    checkpoint's then, so the generic hint would send the user looking for a difference that
+    is not there."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if not isinstance(cause, AssertionError) or distrib_optimizer.HAVE_APEX_OR_TE:
+        return False
+    frames = traceback.extract_tb(cause.__traceback__)
+    return bool(frames) and frames[-1].filename == distrib_optimizer.__file__
+
+
 def _reworded(load_checkpoint):
     @functools.wraps(load_checkpoint)
     def wrapper(*args, **kwargs):
@@ -189,6 +217,8 @@ def _reworded(load_checkpoint):
                     "The learning-rate schedule flags differ from the checkpoint's: add "
                     "--override-opt-param-scheduler to take them from the command line."
                 )
+            elif _distributed_optimizer_without_fused_adam(cause):
+                fix = _DISTRIBUTED_OPTIMIZER_FIX
             else:
                 fix = (
                     "Resume with the model flags the checkpoint was saved with (its arguments "

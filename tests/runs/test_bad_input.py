@@ -22,6 +22,7 @@ import hashlib
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from launch import TINY_GPT, run_pretrain
@@ -275,6 +276,35 @@ def test_megatron_s_own_load_failures_become_one_line(monkeypatch):
             inputs._reworded(load_checkpoint)(None, None, None)
         assert str(err.value).startswith("--load /ckpt: cannot resume from its checkpoint")
         assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_distributed_optimizer_resume_without_fused_adam_names_the_cause(monkeypatch):
+    """Without Apex or TE (the CPU) Megatron-Core 0.19's distributed optimizer asserts on
+    torch Adam's empty state at every load. The hint used to be "resume with the model flags
+    the checkpoint was saved with", though the flags were identical (issue 29)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    assert not distrib_optimizer.HAVE_APEX_OR_TE  # this suite's environment: no Apex, no TE
+    args = type("Args", (), {"load": "/ckpt", "use_distributed_optimizer": True})()
+    monkeypatch.setattr(inputs, "get_args", lambda: args)
+    # Megatron's own state_dict on an optimizer that has not stepped: what a resume calls.
+    not_stepped = SimpleNamespace(optimizer=SimpleNamespace(state_dict=lambda: {"state": {}}))
+
+    def load_checkpoint(*args, **kwargs):
+        distrib_optimizer.DistributedOptimizer.state_dict(not_stepped)
+
+    with pytest.raises(inputs.CheckpointError) as err:
+        inputs._reworded(load_checkpoint)(None, None, None)
+    message = str(err.value)
+    assert "distributed optimizer cannot resume without Apex or Transformer Engine" in message
+    assert "DISTRIBUTED_OPTIMIZER=0" in message and "model flags" not in message
+    # Any other assertion keeps the generic hint.
+    def fails_elsewhere(*args, **kwargs):
+        raise AssertionError
+
+    with pytest.raises(inputs.CheckpointError) as err:
+        inputs._reworded(fails_elsewhere)(None, None, None)
+    assert "model flags" in str(err.value)
 
 
 @pytest.mark.slow
