@@ -17,6 +17,9 @@ Transformer Engine is checked only where its layers are used (:func:`check_trans
 
 from __future__ import annotations
 
+import os
+import warnings
+
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
@@ -45,8 +48,21 @@ LAST_COMMIT_FOR_MEGATRON_CORE_0_16 = "53915d8"
 TE_MIN_VERSION = Version("2.18.0")
 
 
+#: Set to 1 to run on a Megatron-Core newer than :data:`TESTED_MEGATRON_CORE` anyway (e.g. a
+#: Megatron-LM ``main`` checkout before its release), with one warning instead of the refusal.
+#: Explicit on purpose: a changed call structure can make Domino compute wrong gradients
+#: without an error, so nobody should get there by accident. Older releases stay refused:
+#: they are known not to match (0.16's linear arguments, for one).
+ALLOW_UNTESTED_ENV = "MEGATRON_DOMINO_ALLOW_UNTESTED_MEGATRON"
+
+
 class UnsupportedMegatronVersion(RuntimeError):
     """Raised when the imported Megatron-Core is outside :data:`TESTED_MEGATRON_CORE`."""
+
+
+class UntestedMegatronCoreWarning(UserWarning):
+    """Issued (once per process) when :data:`ALLOW_UNTESTED_ENV` lets an untested, newer
+    Megatron-Core run."""
 
 
 def imported_megatron_core_version() -> Version:
@@ -74,7 +90,8 @@ def _where() -> str:
 
 
 def check_megatron_core_version(found: Version | None = None) -> Version:
-    """Raise :class:`UnsupportedMegatronVersion` unless the Megatron-Core that runs is tested.
+    """Raise :class:`UnsupportedMegatronVersion` unless the Megatron-Core that runs is tested,
+    or is newer and :data:`ALLOW_UNTESTED_ENV` is 1 (then warn, once per process).
 
     Args:
         found: the version to check; defaults to the imported ``megatron.core``'s own.
@@ -83,15 +100,49 @@ def check_megatron_core_version(found: Version | None = None) -> Version:
     """
     where = "" if found is not None else f" (imported from {_where()})"
     found = imported_megatron_core_version() if found is None else found
-    if Version(found.public) not in TESTED_MEGATRON_CORE:
-        raise UnsupportedMegatronVersion(
-            f"megatron-core {found}{where} is not a release megatron-domino is tested with "
-            f"({TESTED_MEGATRON_CORE}). Install the tested release "
-            f"(`pip install megatron-core=={PINNED_MEGATRON_CORE}`), or put a Megatron-LM "
-            "checkout of branch core_r0.19.0 first on PYTHONPATH. For megatron-core 0.16.x use "
-            f"megatron-domino at commit {LAST_COMMIT_FOR_MEGATRON_CORE_0_16}."
+    public = Version(found.public)
+    if public in TESTED_MEGATRON_CORE:
+        return found
+    # Newer: at or past the range's upper bound, pre-releases of it included (0.20.0rc0).
+    newer = all(
+        public.release >= Version(s.version).release
+        for s in TESTED_MEGATRON_CORE
+        if s.operator == "<"
+    )
+    if newer and _untested_allowed():
+        warnings.warn(
+            f"megatron-core {found}{where} is untested with megatron-domino (the last tested "
+            f"release is {PINNED_MEGATRON_CORE}, range {TESTED_MEGATRON_CORE}); running anyway "
+            f"because {ALLOW_UNTESTED_ENV}=1. Domino re-sequences Megatron-Core's layer "
+            "internals: compare its losses with a run without --domino before trusting it.",
+            UntestedMegatronCoreWarning,
+            stacklevel=1,  # this line's location: Python's default filter shows it once
         )
-    return found
+        return found
+    opt_in = (
+        f" To run this newer release anyway, untested, set {ALLOW_UNTESTED_ENV}=1."
+        if newer
+        else ""
+    )
+    raise UnsupportedMegatronVersion(
+        f"megatron-core {found}{where} is not a release megatron-domino is tested with "
+        f"({TESTED_MEGATRON_CORE}). Install the tested release "
+        f"(`pip install megatron-core=={PINNED_MEGATRON_CORE}`), or put a Megatron-LM "
+        "checkout of branch core_r0.19.0 first on PYTHONPATH. For megatron-core 0.16.x use "
+        f"megatron-domino at commit {LAST_COMMIT_FOR_MEGATRON_CORE_0_16}.{opt_in}"
+    )
+
+
+def _untested_allowed() -> bool:
+    """Whether :data:`ALLOW_UNTESTED_ENV` opts in: ``1`` yes; unset, empty or ``0`` no;
+    anything else is refused, so that a typo (``true``, ``yes``) is not read either way."""
+    value = os.environ.get(ALLOW_UNTESTED_ENV, "")
+    if value not in ("", "0", "1"):
+        raise UnsupportedMegatronVersion(
+            f"{ALLOW_UNTESTED_ENV}={value!r}: set it to 1 to run an untested Megatron-Core, "
+            "or unset it."
+        )
+    return value == "1"
 
 
 def check_transformer_engine_version() -> None:

@@ -17,6 +17,7 @@ from packaging.version import Version
 
 from megatron_domino.config import DominoUnsupportedError
 from megatron_domino.version import (
+    ALLOW_UNTESTED_ENV,
     PINNED_MEGATRON_CORE,
     TE_MIN_VERSION,
     TESTED_MEGATRON_CORE,
@@ -50,22 +51,27 @@ def test_other_releases_are_refused_with_the_fix(found):
     assert "53915d8" in message  # where 0.16 users find the last release that ran on it
 
 
-def _check_with_checkout(tmp_path, version: str) -> subprocess.CompletedProcess:
-    """Run the guard with a Megatron-LM-checkout-style ``megatron/core`` first on the path."""
+def _check_with_checkout(
+    tmp_path, version: str, calls: int = 1, **env: str
+) -> subprocess.CompletedProcess:
+    """Run the guard ``calls`` times (as the entry point, the flag check and ``apply_domino``
+    each do) with a Megatron-LM-checkout-style ``megatron/core`` first on the path."""
     core = tmp_path / "Megatron-LM" / "megatron" / "core"
     core.mkdir(parents=True)
     (core / "__init__.py").write_text("")
     (core / "package_info.py").write_text(f"__version__ = {version!r}\n")
     code = textwrap.dedent(
         """
+        import sys
         from megatron_domino.version import check_megatron_core_version
-        print(check_megatron_core_version())
+        for _ in range(int(sys.argv[1])):
+            print(check_megatron_core_version())
         """
     )
     env_path = str(tmp_path / "Megatron-LM")
     return subprocess.run(
-        [sys.executable, "-c", code],
-        env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
+        [sys.executable, "-c", code, str(calls)],
+        env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin", **env},
         capture_output=True,
         text=True,
         timeout=60,
@@ -81,6 +87,40 @@ def test_a_checkout_on_pythonpath_is_judged_by_its_own_version(tmp_path):
     accepted = _check_with_checkout(tmp_path / "b", "0.19.1")
     assert accepted.returncode == 0, accepted.stderr
     assert accepted.stdout.strip() == "0.19.1"
+
+
+def test_a_newer_checkout_runs_with_the_explicit_opt_in_and_one_warning(tmp_path):
+    """Megatron-LM ``main`` (0.20.0) is refused by policy; the opt-in runs it with one loud
+    warning per process naming the version found and the last tested release."""
+    refused = _check_with_checkout(tmp_path / "a", "0.20.0")
+    assert refused.returncode != 0 and f"set {ALLOW_UNTESTED_ENV}=1" in refused.stderr
+    allowed = _check_with_checkout(tmp_path / "b", "0.20.0", calls=3, **{ALLOW_UNTESTED_ENV: "1"})
+    assert allowed.returncode == 0, allowed.stderr
+    assert allowed.stdout.split() == ["0.20.0"] * 3
+    assert allowed.stderr.count("UntestedMegatronCoreWarning") == 1, allowed.stderr
+    assert "megatron-core 0.20.0 (imported from" in allowed.stderr
+    assert f"the last tested release is {PINNED_MEGATRON_CORE}" in allowed.stderr
+
+
+@pytest.mark.parametrize("found", ["0.20.0rc0", "0.21.3"])
+def test_the_opt_in_covers_newer_releases_only(monkeypatch, found):
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "1")
+    with pytest.warns(UserWarning, match=f"megatron-core {found} is untested"):
+        assert check_megatron_core_version(Version(found)) == Version(found)
+    # Older releases are known not to match Domino's calls: still refused, with no opt-in offered.
+    with pytest.raises(UnsupportedMegatronVersion) as err:
+        check_megatron_core_version(Version("0.18.2"))
+    assert ALLOW_UNTESTED_ENV not in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["true", "yes", " 1"])
+def test_an_unclear_opt_in_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, value)
+    with pytest.raises(UnsupportedMegatronVersion, match=f"{ALLOW_UNTESTED_ENV}=.*set it to 1"):
+        check_megatron_core_version(Version("0.20.0"))
+    monkeypatch.setenv(ALLOW_UNTESTED_ENV, "0")
+    with pytest.raises(UnsupportedMegatronVersion, match="is not a release"):
+        check_megatron_core_version(Version("0.20.0"))
 
 
 def _requirements() -> dict[str, Requirement]:
