@@ -13,7 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from megatron_domino.harness.ranks import run_ranks
+from megatron_domino.harness.ranks import CPU_PRELOAD, run_ranks
+
+#: The fork server of the Transformer Engine tests' ranks: TE booted on the CPU
+#: (:mod:`te_cpu`) before Megatron-Core is imported, so Megatron's ``HAVE_TE`` is true there and
+#: only there (the other tests run Megatron-Core as a user without TE does).
+TE_PRELOAD = ("torch", "te_cpu.booted", *CPU_PRELOAD)
 
 #: Long enough for 8 ranks to import Megatron-Core and run a tiny model on 2 cores.
 DEFAULT_TIMEOUT_S = 180.0
@@ -28,8 +33,10 @@ def run_on_ranks(
     pipeline_model_parallel_size: int = 1,
     seed: int = 1234,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    te: bool = False,
 ) -> list[Any]:
-    """``[fn(*args) on rank 0, on rank 1, ...]`` on ``world_size`` CPU gloo ranks."""
+    """``[fn(*args) on rank 0, on rank 1, ...]`` on ``world_size`` CPU gloo ranks; with ``te``,
+    ranks with Transformer Engine's own Python booted (:data:`TE_PRELOAD`)."""
     return run_ranks(
         f"{fn.__module__}:{fn.__qualname__}",
         world_size,
@@ -39,4 +46,5 @@ def run_on_ranks(
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         seed=seed,
         timeout_s=timeout_s,
+        preload=TE_PRELOAD if te else CPU_PRELOAD,
     )

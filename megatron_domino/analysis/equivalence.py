@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_domino.analysis.errors import (
     BF16_BOUND,
@@ -110,20 +111,32 @@ def token_batch(
     return {name: tensor.to(device) for name, tensor in batch.items()}
 
 
-def fp32_reference_model(options: GPTOptions, model: torch.nn.Module) -> torch.nn.Module:
-    """This rank's model built in fp32, holding ``model``'s bf16 weights cast to fp32.
+def fp32_reference_model(
+    options: GPTOptions, model: torch.nn.Module, *, spec: ModuleSpec | None = None
+) -> torch.nn.Module:
+    """This rank's model built in fp32 without FP8, holding ``model``'s bf16 weights cast to
+    fp32: the exact maths both bf16 (or FP8) runs are measured against.
 
-    ``model`` is the bf16 ``GPTModel`` built from ``options`` (bare or in ``Float16Module``).
+    ``model`` is the bf16 ``GPTModel`` built from ``options`` (bare or in ``Float16Module``),
+    with the layer ``spec`` it was built with if not the default one.
     The reference is a model of its own, not ``model`` cast up: a bf16 ``TransformerConfig``
     also rounds inside the layers (e.g. the softmax output back to bf16), which the reference
     must not. It is built for the current parallel state and moved to ``model``'s device.
     """
     bare = getattr(model, "module", model)
-    reference = build_gpt_model(dataclasses.replace(options, bf16=False))
+    reference = build_gpt_model(
+        dataclasses.replace(options, bf16=False, fp8_format=None), spec=spec
+    )
     state = {
         name: value.float() if torch.is_tensor(value) and value.is_floating_point() else value
         for name, value in bare.state_dict().items()
     }
+    # TE modules' FP8 state (``_extra_state``): the reference keeps its own (no FP8).
+    state.update(
+        (name, value)
+        for name, value in reference.state_dict().items()
+        if name.endswith("._extra_state")
+    )
     reference.load_state_dict(state)
     return reference.to(next(bare.parameters()).device)
 

@@ -32,16 +32,19 @@ anything touches CUDA:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
+import multiprocessing.forkserver
 import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import torch.multiprocessing as mp
@@ -62,6 +65,52 @@ CPU_PRELOAD = (
     # torch.compile's per-process set-up, which every rank's Megatron kernels need.
     "megatron_domino.harness.compile_warmup",
 )
+
+
+#: Fork servers for preloads other than :data:`CPU_PRELOAD` (which uses the standard library's
+#: own), one per preload, started on first use and kept for the process's lifetime.
+_OTHER_SERVERS: dict[tuple[str, ...], multiprocessing.forkserver.ForkServer] = {}
+
+
+@contextlib.contextmanager
+def _forking_from(preload: tuple[str, ...]) -> Iterator[None]:
+    """Processes started inside fork from a server that imported ``preload``.
+
+    A process has one standard fork server and its preload is fixed once it runs; ranks that
+    need another import state (e.g. the tests' ranks with Transformer Engine booted before
+    Megatron-Core, whose ``HAVE_TE`` is decided at import) get a second server. The standard
+    library has no public way to pick the server a ``Process`` forks from: its
+    ``popen_forkserver`` calls the module function ``forkserver.connect_to_new_process``
+    when a process starts, so that one name is pointed at the other server while the ranks
+    start, and restored after.
+
+    The server imports ``preload`` with this process's ``sys.path`` (e.g. the test helpers'
+    folder): Python 3.12.1's ``forkserver.main`` takes the parent's path but never applies it
+    (the standard server's preload is installed packages only), so it is handed over as
+    ``PYTHONPATH`` while the server starts.
+    """
+    if preload == CPU_PRELOAD:
+        yield
+        return
+    server = _OTHER_SERVERS.get(preload)
+    if server is None:
+        server = _OTHER_SERVERS[preload] = multiprocessing.forkserver.ForkServer()
+        server.set_forkserver_preload(list(preload))
+        saved = os.environ.get("PYTHONPATH")
+        os.environ["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
+        try:
+            server.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["PYTHONPATH"]
+            else:
+                os.environ["PYTHONPATH"] = saved
+    standard = multiprocessing.forkserver.connect_to_new_process
+    multiprocessing.forkserver.connect_to_new_process = server.connect_to_new_process
+    try:
+        yield
+    finally:
+        multiprocessing.forkserver.connect_to_new_process = standard
 
 
 class RankFailure(RuntimeError):
@@ -172,6 +221,7 @@ def run_ranks(
     pipeline_model_parallel_size: int = 1,
     seed: int = 1234,
     timeout_s: float = 180.0,
+    preload: Sequence[str] = CPU_PRELOAD,
 ) -> list[Any]:
     """Run ``target(*args)`` on ``world_size`` gloo ranks; return the results by rank.
 
@@ -188,6 +238,8 @@ def run_ranks(
         pipeline_model_parallel_size: pipeline stages for ``init="megatron"``.
         seed: Megatron-LM's ``--seed`` for ``init="megatron"``.
         timeout_s: wall-clock limit; past it every rank is killed.
+        preload: on the CPU, what the ranks' fork server imports (one server per preload,
+            :func:`_forking_from`).
     Raises:
         RankFailure: a rank raised (its traceback is in the message), died without reporting,
             or the time ran out. All ranks are gone when this returns or raises.
@@ -207,8 +259,9 @@ def run_ranks(
         )
         for rank in range(world_size)
     ]
-    for process in processes:
-        process.start()
+    with _forking_from(tuple(preload)) if device == "cpu" else contextlib.nullcontext():
+        for process in processes:
+            process.start()
     outputs: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     finished = False

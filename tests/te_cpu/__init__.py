@@ -5,6 +5,11 @@ is missing on a machine without CUDA is the compiled extension ``transformer_eng
 (and ``libtransformer_engine.so`` behind it). :func:`boot` makes TE importable and runnable
 here, using TE's own switches and nothing of its code:
 
+0. TE's directory on ``sys.path``: ``make install`` puts TE in a folder of its own
+   (``.venv/transformer-engine-<version>``, :data:`SUITE_TE_VERSION` unless
+   ``MEGATRON_DOMINO_TE_HOME`` names another), not in the virtual environment, because an
+   importable ``transformer_engine`` without its compiled parts makes Megatron-Core's import
+   fail in every other process (TE raises ``RuntimeError``, not ``ImportError``);
 1. ``NVTE_PROJECT_BUILDING=1`` (TE ``common/__init__.py``: skip loading cuDNN, NVRTC, cuRAND
    and the core library) and ``NVTE_TORCH_COMPILE=0`` (``pytorch/jit.py``: no
    ``torch.compile`` around TE's fusions);
@@ -28,10 +33,22 @@ import importlib
 import os
 import sys
 import types
+from pathlib import Path
 
-__all__ = ["boot", "te_version_line"]
+__all__ = ["SUITE_TE_VERSION", "boot", "installed_te_version", "te_home", "te_version_line"]
 
 _MODULE = "transformer_engine_torch"
+#: The TE release the suite runs (``make install``; ``make test-te TE=x.y.z`` runs another).
+SUITE_TE_VERSION = "2.18.0"
+_CHECKOUT = Path(__file__).resolve().parents[2]
+
+
+def te_home() -> Path:
+    """The folder holding the ``transformer_engine`` package the TE tests run."""
+    home = os.environ.get("MEGATRON_DOMINO_TE_HOME")
+    if home:
+        return Path(home)
+    return _CHECKOUT / ".venv" / f"transformer-engine-{SUITE_TE_VERSION}"
 
 
 class _Unavailable:
@@ -78,6 +95,13 @@ def boot() -> types.ModuleType:
     ``HAVE_TE`` is decided at import."""
     if _MODULE in sys.modules:
         return importlib.import_module("transformer_engine.pytorch")
+    home = te_home()
+    if not (home / "transformer_engine").is_dir():
+        raise ImportError(
+            f"Transformer Engine is not installed in {home}: run `make install` (or "
+            "`make test-te TE=x.y.z` for another release)"
+        )
+    sys.path.insert(0, str(home))
     os.environ["NVTE_PROJECT_BUILDING"] = "1"
     os.environ["NVTE_TORCH_COMPILE"] = "0"
     from te_cpu.cuda_answers import answer_te_cuda_questions
@@ -90,11 +114,17 @@ def boot() -> types.ModuleType:
     return importlib.import_module("transformer_engine.pytorch")
 
 
+def installed_te_version() -> str | None:
+    """The version of the TE in :func:`te_home`, or ``None`` where there is none."""
+    from importlib.metadata import PathDistribution
+
+    found = sorted(te_home().glob("transformer_engine-*.dist-info"))
+    return PathDistribution(found[0]).version if found else None
+
+
 def te_version_line() -> str:
     """What the pytest header prints: the TE the suite runs, and on what."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return f"transformer-engine {version('transformer-engine')} (TE's Python, CPU backend)"
-    except PackageNotFoundError:
-        return "transformer-engine not installed: the TE tests are skipped"
+    found = installed_te_version()
+    if found is None:
+        return f"transformer-engine: none in {te_home()} (run make install)"
+    return f"transformer-engine {found} (TE's Python, CPU backend), from {te_home()}"
