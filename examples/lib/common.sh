@@ -57,23 +57,27 @@ recipe_positive_int() {
 }
 
 # recipe_gpus_per_node: GPUS_PER_NODE, the ranks per node, checked against the allocation.
-# Inside a SLURM job it is the GPUs the job has per node: SLURM_GPUS_ON_NODE, else
-# SLURM_GPUS_PER_NODE (--gpus-per-node=[type:]N), else, for the srun style, its tasks per node
-# (SLURM_NTASKS_PER_NODE). Outside SLURM (a dry run on a login node) 8, an H100/H200 node.
-# A rank count above the allocated GPUs is refused: ranks would share GPUs without a word.
+# Inside a SLURM job it is the GPUs the job asked for per node, SLURM_GPUS_PER_NODE
+# (--gpus-per-node=[type:]N); else the GPUs it has on the node, SLURM_GPUS_ON_NODE; else, for
+# the srun style, its tasks per node (SLURM_NTASKS_PER_NODE). Asked for, not had: the recipes'
+# #SBATCH --exclusive makes SLURM allocate every GPU and CPU of the node, so a job that asked
+# for 2 GPUs on an 8-GPU node has SLURM_GPUS_ON_NODE=8. Outside SLURM (a dry run on a login
+# node) 8, an H100/H200 node. A rank count above the GPUs the node gave the job is refused:
+# ranks would share GPUs without a word.
 recipe_gpus_per_node() {
-    local allocated tasks per_node=${SLURM_GPUS_PER_NODE:-}
+    local requested allocated tasks per_node=${SLURM_GPUS_PER_NODE:-}
+    requested=$(recipe_positive_int "${per_node##*:}")
     allocated=$(recipe_positive_int "${SLURM_GPUS_ON_NODE:-}")
-    [[ -n $allocated ]] || allocated=$(recipe_positive_int "${per_node##*:}")
+    [[ -n $allocated ]] || allocated=$requested
     tasks=$(recipe_positive_int "${SLURM_NTASKS_PER_NODE:-}")
     if [[ -z ${GPUS_PER_NODE:-} ]]; then
-        if [[ -n $allocated ]]; then
-            GPUS_PER_NODE=$allocated
+        if [[ -n $requested || -n $allocated ]]; then
+            GPUS_PER_NODE=${requested:-$allocated}
         elif [[ $RECIPE_STYLE == srun && -n $tasks ]]; then
             GPUS_PER_NODE=$tasks
         elif [[ -n ${SLURM_JOB_ID:-} ]]; then
-            recipe_die "this SLURM job shows no GPU count (SLURM_GPUS_ON_NODE, \
-SLURM_GPUS_PER_NODE): submit with --gpus-per-node=N, or set GPUS_PER_NODE."
+            recipe_die "this SLURM job shows no GPU count (SLURM_GPUS_PER_NODE, \
+SLURM_GPUS_ON_NODE): submit with --gpus-per-node=N, or set GPUS_PER_NODE."
         else
             GPUS_PER_NODE=8
         fi
@@ -82,7 +86,7 @@ SLURM_GPUS_PER_NODE): submit with --gpus-per-node=N, or set GPUS_PER_NODE."
     ((GPUS_PER_NODE >= 1)) || recipe_die "GPUS_PER_NODE=$GPUS_PER_NODE must be at least 1."
     if [[ $RECIPE_STYLE != local && -n $allocated ]] && ((GPUS_PER_NODE > allocated)); then
         recipe_die "GPUS_PER_NODE=$GPUS_PER_NODE ranks per node, but the job has $allocated \
-GPUs per node: ranks would share GPUs. Leave GPUS_PER_NODE unset to use $allocated."
+GPUs per node: ranks would share GPUs. Leave GPUS_PER_NODE unset to use ${requested:-$allocated}."
     fi
     if [[ $RECIPE_STYLE == srun && -n $tasks ]] && ((GPUS_PER_NODE > tasks)); then
         recipe_die "one task per GPU needs $GPUS_PER_NODE tasks per node, but the job has \
@@ -249,7 +253,10 @@ synthetic data."
     TRANSFORMER_IMPL=${TRANSFORMER_IMPL:-$( ((CPU)) && echo local || echo transformer_engine)}
     [[ $TRANSFORMER_IMPL == local || $TRANSFORMER_IMPL == transformer_engine ]] ||
         recipe_die "TRANSFORMER_IMPL=$TRANSFORMER_IMPL must be transformer_engine or local."
-    DISTRIBUTED_OPTIMIZER=${DISTRIBUTED_OPTIMIZER:-1}
+    # Megatron-Core 0.19's distributed optimizer saves without Apex or Transformer Engine but
+    # cannot resume (torch's Adam has no state before its first step, and the load asserts
+    # on it), so a CPU run that was stopped, requeued or restarted could never continue.
+    DISTRIBUTED_OPTIMIZER=${DISTRIBUTED_OPTIMIZER:-$( ((CPU)) && echo 0 || echo 1)}
     OVERLAP_GRAD_REDUCE=${OVERLAP_GRAD_REDUCE:-1}
     # With TE layers Domino overlaps the backward collectives under sequence parallelism only
     # (without it TE keeps its own input-gradient all-reduce), so SP is on with TE by default.
@@ -507,30 +514,51 @@ recipe_print() {
     echo
 }
 
+# recipe_checkpointed_iteration: the iteration of the latest complete checkpoint in
+# CHECKPOINT_DIR (Megatron-LM's tracker file, written after every rank's save), 0 if none.
+recipe_checkpointed_iteration() {
+    local tracker=${CHECKPOINT_DIR:+$CHECKPOINT_DIR/latest_checkpointed_iteration.txt} reached=
+    [[ -n $tracker && -f $tracker ]] && reached=$(recipe_positive_int "$(<"$tracker")")
+    echo "${reached:-0}"
+}
+
 # recipe_requeue_unfinished STATUS: after a run that ended with STATUS, put this SLURM job back
-# in the queue if training stopped before TRAIN_ITERS, so that it resumes from the latest
-# checkpoint on its own: a rank or a node died, or SLURM's SIGTERM before the time limit
-# (#SBATCH --signal) made every rank save and exit (--exit-signal-handler). A requeued job
-# keeps its id, so RUN_DIR and CHECKPOINT_DIR stay the same. At most MAX_REQUEUES times
-# (SLURM_RESTART_COUNT counts them). Returns STATUS, or 1 for a stop before the end that is
-# not requeued. Megatron-LM saves when training ends, so a tracker at TRAIN_ITERS means done.
+# in the queue if training stopped before TRAIN_ITERS for a reason a retry can get past, so
+# that it resumes from the latest checkpoint on its own. A requeued job keeps its id, so
+# RUN_DIR and CHECKPOINT_DIR stay the same; at most MAX_REQUEUES times (SLURM_RESTART_COUNT
+# counts them). Megatron-LM saves when training ends, so a tracker at TRAIN_ITERS means done.
+# Requeued:
+#   status 0      the ranks saved and exited on a signal (--exit-signal-handler): SLURM's
+#                 --signal before the time limit, or an scancel --signal=TERM;
+#   status >= 128 a rank was killed by a signal (a node lost, the OOM killer, a time limit);
+#   other status  a rank failed after a new checkpoint was saved in this attempt (the retry
+#                 starts past it; torchrun reports every failure of its ranks as 1).
+# Not requeued: status 2, a command line or input the script refused (it would be refused
+# again, every MAX_REQUEUES times), and a failure with no new checkpoint in this attempt
+# (it would fail the same way). Returns STATUS, or 1 for a stop before the end that is not
+# requeued.
 recipe_requeue_unfinished() {
-    local status=$1 reached=0 requeues=${SLURM_RESTART_COUNT:-0}
-    local tracker=${CHECKPOINT_DIR:+$CHECKPOINT_DIR/latest_checkpointed_iteration.txt}
+    local status=$1 requeues=${SLURM_RESTART_COUNT:-0} reached why
     ((DRY_RUN)) && return 0
-    [[ -n $tracker && -f $tracker ]] && reached=$(<"$tracker")
+    reached=$(recipe_checkpointed_iteration)
     [[ $reached == "$TRAIN_ITERS" ]] && return "$status"
     local stopped="# training stopped at iteration $reached of $TRAIN_ITERS (status $status)"
-    if [[ -z ${SLURM_JOB_ID:-} || -z $tracker ]]; then
-        echo "$stopped; not requeued (no SLURM job or no CHECKPOINT_DIR)" | tee -a "$RUN_DIR/train.log"
+    if ((status == 2)); then
+        why="the command line or an input was refused; fix it and submit again"
+    elif ((status != 0 && status < 128 && reached <= ${RECIPE_LAUNCHED_AT:-0})); then
+        why="it failed before saving a newer checkpoint than the ${RECIPE_LAUNCHED_AT:-0} it \
+started from, and would fail the same way"
+    elif [[ -z ${SLURM_JOB_ID:-} || -z ${CHECKPOINT_DIR:-} ]]; then
+        why="no SLURM job or no CHECKPOINT_DIR"
     elif ((requeues >= MAX_REQUEUES)); then
-        echo "$stopped; not requeued: requeued $requeues times already (MAX_REQUEUES)" |
-            tee -a "$RUN_DIR/train.log"
+        why="requeued $requeues times already (MAX_REQUEUES)"
     else
         echo "$stopped; requeueing job $SLURM_JOB_ID ($((requeues + 1)) of $MAX_REQUEUES)" |
             tee -a "$RUN_DIR/train.log"
         scontrol requeue "$SLURM_JOB_ID" && return 0
+        why="scontrol requeue failed"
     fi
+    echo "$stopped; not requeued: $why" | tee -a "$RUN_DIR/train.log"
     ((status)) && return "$status"
     return 1
 }
@@ -543,6 +571,8 @@ recipe_run() {
         return 0
     fi
     mkdir -p "$RECIPE_RUN_DIR" "$(dirname "$log")"
+    # Where this attempt starts: recipe_requeue_unfinished asks whether it saved anything new.
+    RECIPE_LAUNCHED_AT=$(recipe_checkpointed_iteration)
     recipe_print "$label" | tee -a "$log"
     "${LAUNCH_CMD[@]}" "${PRETRAIN_ARGS[@]}" 2>&1 | tee -a "$log"
 }

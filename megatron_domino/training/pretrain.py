@@ -82,7 +82,8 @@ def _script_checks(args: argparse.Namespace) -> DominoConfig | None:
     if args.distributed_backend == "nccl" and not torch.cuda.is_available():
         raise StartupError(
             "There is no CUDA device here and NCCL needs one: add --distributed-backend gloo "
-            "to run on the CPU."
+            "to run on the CPU (with the recipes in examples/: CPU=1, which also replaces "
+            "Megatron-LM's other GPU-only defaults, docs/cpu.md)."
         )
     problems = loop_hook_problems(args)
     if problems:

@@ -433,17 +433,25 @@ def test_recipes_checkpoint_and_resume_by_default(style, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("tracker", "restarts", "status", "requeued", "returned"),
+    ("tracker", "launched_at", "restarts", "status", "requeued", "returned"),
     [
-        ("100", "0", "0", False, 0),  # finished: nothing to do
-        ("40", "0", "0", True, 0),  # SIGTERM before the time limit: saved at 40, requeue
-        ("40", "1", "1", True, 0),  # a rank died, requeued once before: again
-        ("40", "3", "1", False, 1),  # MAX_REQUEUES reached: the failure stands
-        (None, "0", "0", True, 0),  # stopped before the first checkpoint: start over
+        ("100", "0", "0", "0", False, 0),  # finished: nothing to do
+        ("40", "0", "0", "0", True, 0),  # SIGTERM before the time limit: saved at 40, requeue
+        ("40", "20", "1", "1", True, 0),  # a rank died after saving 40, requeued once: again
+        ("40", "0", "3", "1", False, 1),  # MAX_REQUEUES reached: the failure stands
+        (None, "0", "0", "0", True, 0),  # stopped before the first checkpoint: start over
+        ("40", "40", "0", "137", True, 0),  # a rank killed (node lost, OOM): no save needed
+        # Retries that cannot succeed (issue 29: four runs before FAILED):
+        ("40", "40", "0", "2", False, 2),  # a refused command line: its status kept
+        (None, "0", "0", "2", False, 2),
+        ("40", "40", "0", "1", False, 1),  # failed again where it started: would repeat
     ],
 )
-def test_an_unfinished_job_requeues_itself(tmp_path, tracker, restarts, status, requeued, returned):
-    """recipe_requeue_unfinished against a stand-in scontrol, after runs that stopped early."""
+def test_an_unfinished_job_requeues_itself(
+    tmp_path, tracker, launched_at, restarts, status, requeued, returned
+):
+    """recipe_requeue_unfinished against a stand-in scontrol, after runs that stopped early
+    (the real SLURM tier, tests/slurm/, requeues real jobs)."""
     (tmp_path / "bin").mkdir()
     scontrol = tmp_path / "bin" / "scontrol"
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.calls\n')
@@ -459,7 +467,7 @@ def test_an_unfinished_job_requeues_itself(tmp_path, tracker, restarts, status, 
             "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "DRY_RUN": "0", "STATUS": status,
             "TRAIN_ITERS": "100", "MAX_REQUEUES": "3", "SLURM_JOB_ID": "4242",
             "SLURM_RESTART_COUNT": restarts, "RUN_DIR": str(tmp_path / "run"),
-            "CHECKPOINT_DIR": str(checkpoints),
+            "CHECKPOINT_DIR": str(checkpoints), "RECIPE_LAUNCHED_AT": launched_at,
         },
         capture_output=True,
         text=True,
@@ -468,7 +476,12 @@ def test_an_unfinished_job_requeues_itself(tmp_path, tracker, restarts, status, 
     calls = tmp_path / "scontrol.calls"
     assert (calls.read_text() if calls.exists() else "") == ("requeue 4242\n" if requeued else "")
     if tracker != "100":
-        assert "# training stopped at iteration" in (tmp_path / "run" / "train.log").read_text()
+        log = (tmp_path / "run" / "train.log").read_text()
+        assert "# training stopped at iteration" in log
+        assert ("requeueing job 4242" in log) == requeued
+        assert ("not requeued: the command line or an input was refused" in log) == (
+            status == "2"
+        )
 
 
 @pytest.mark.parametrize("launcher", ["srun", "torchrun", "local"])
