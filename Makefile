@@ -6,7 +6,17 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast demo bench gpu-check lint clean
+.PHONY: install test test-fast test-te demo bench gpu-check lint clean
+
+# Transformer Engine's own Python, which the TE tests run on the CPU (tests/te_cpu): a folder of
+# its own beside the venv, not in it (an importable TE without its compiled library makes
+# Megatron-Core's import fail in every other process). `make test-te TE=2.20.2` runs the TE
+# tests on another release. TE's PyPI wheel is pure Python; its compiled parts are the CPU
+# backend's to stand in for, so it is installed without dependencies (those it imports are in
+# the test extra).
+TE ?= 2.18.0
+TE_HOME := $(VENV)/transformer-engine-$(TE)
+TE_STAMP := $(TE_HOME)/.installed
 
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || { python=$$(PYTHON='$(PYTHON)' scripts/find_python.sh) && echo "creating $(VENV) with $$python" \
@@ -19,19 +29,27 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev,plot]'
 	touch $(STAMP)
 
-install: $(STAMP)
+$(TE_STAMP): $(STAMP)
+	$(PY) -m pip install -q --no-deps --target $(TE_HOME) transformer-engine==$(TE)
+	touch $(TE_STAMP)
+
+install: $(STAMP) $(TE_STAMP)
 
 # Two workers, one test file each at a time (--dist loadfile keeps a file's module fixtures
 # in one process): run serially, the suite left the two cores 30-50 % idle while a launch's
 # ranks waited on each other (vmstat, 2026-12-02); times in tests/README.md.
-test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
+test: $(STAMP) $(TE_STAMP)
+	MEGATRON_DOMINO_TE_HOME=$(TE_HOME) $(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
+
+# The tests that run Transformer Engine's own code (marker `te`), on TE $(TE).
+test-te: $(STAMP) $(TE_STAMP)
+	MEGATRON_DOMINO_TE_HOME=$(TE_HOME) $(PY) -m pytest -q -n 2 --dist loadfile -m te tests
 
 # The developer's loop before a commit (tests/README.md): the unit tier and the core claims.
 FAST_TESTS := tests/unit tests/ranks/test_domino_overlap.py \
 	tests/ranks/test_domino_equivalence.py::test_every_setting_matches_stock_megatron_at_tp2
-test-fast: $(STAMP)
-	$(PY) -m pytest -q $(FAST_TESTS)
+test-fast: $(STAMP) $(TE_STAMP)
+	MEGATRON_DOMINO_TE_HOME=$(TE_HOME) $(PY) -m pytest -q $(FAST_TESTS)
 
 demo: $(STAMP)
 	$(VENV)/bin/megatron-domino-demo

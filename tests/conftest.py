@@ -11,11 +11,27 @@ HELPERS = str(Path(__file__).resolve().parent)
 if HELPERS not in sys.path:
     sys.path.insert(0, HELPERS)
 
+import pytest  # noqa: E402 - the helpers' folder goes on the path first
+from te_cpu import installed_te_version, te_version_line  # noqa: E402
+
+
+def pytest_report_header() -> str:
+    """Which Transformer Engine the TE tests run (its own Python over the CPU backend)."""
+    return te_version_line()
+
 
 def pytest_collection_modifyitems(items: list) -> None:
     """Files with the most ``slow`` tests (the training launches) first, each file's tests
     kept together and in order: ``make test``'s two workers (``--dist loadfile``) take files
-    in this order, so the long ones start at once instead of ending the run alone."""
+    in this order, so the long ones start at once instead of ending the run alone.
+
+    The ``te`` tests are skipped, with the reason, where no Transformer Engine was installed
+    for them (``make`` installs it)."""
+    if installed_te_version() is None:
+        missing = pytest.mark.skip(reason=te_version_line())
+        for item in items:
+            if item.get_closest_marker("te") is not None:
+                item.add_marker(missing)
     slow: dict = {}
     for item in items:
         slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
