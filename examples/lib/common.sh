@@ -481,7 +481,9 @@ recipe_launcher() {
     case $RECIPE_STYLE in
     srun)
         # One task per GPU; each rank reads its rank, world size and local rank from SLURM.
-        LAUNCH_CMD=(srun --nodes="$NNODES" --ntasks-per-node="$GPUS_PER_NODE"
+        # --ntasks too: srun would take the job's SLURM_NTASKS (the #SBATCH 8 per node), more
+        # tasks than ranks when the job asked for fewer GPUs.
+        LAUNCH_CMD=(srun --nodes="$NNODES" --ntasks="$WORLD_SIZE" --ntasks-per-node="$GPUS_PER_NODE"
             --kill-on-bad-exit=1 "${srun_args[@]}" "$PYTHON" "$script")
         ;;
     torchrun)

@@ -1,0 +1,257 @@
+"""The recipes in examples/ submitted with ``sbatch`` to a real Slurm, as users launch them:
+rank mapping, both launch styles with and without ``--domino``, the A/B report, and the
+requeue machinery against Slurm's own signals, requeue and restart count.
+
+The node (``conftest.NODE_GPUS`` = 8 GPUs, device files standing in for them) has more GPUs than
+any job asks for (2), so every job here also runs under the recipes' ``#SBATCH --exclusive``,
+which hands a job the whole node. The runs are CPU runs (``CPU=1``: gloo, Megatron-Core's own
+layers) of the ``tiny`` model at TP = 2, with mock data and dropout off, so that every launch of
+the same knobs computes the same losses bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import NODE_GPUS
+
+#: What every training job here runs: TP = 2 on two of the node's GPUs, as CPU ranks. Long
+#: enough (about 30 s of training here) that a signal lands while it trains.
+TRAIN_ITERS = 300
+KNOBS = {
+    "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+    "CPU": "1",
+    "MODEL": "tiny",
+    "MOCK": "1",
+    "TP": "2",
+    "BF16": "0",
+    "TRAIN_ITERS": str(TRAIN_ITERS),
+    "LOG_INTERVAL": "10",
+    "EVAL_ITERS": "0",
+}
+#: The GPUs each job asks for: fewer than the node has.
+ASKED = ("--gpus-per-node=2",)
+#: Seconds a job may take here (2 shared cores) before it is cancelled and the test fails.
+JOB_TIMEOUT = 420
+
+
+def losses(log_json: Path) -> dict[int, float]:
+    """Training loss per iteration from a run's --log-json (every iteration, unaveraged)."""
+    records = [json.loads(line) for line in log_json.read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    by_iteration = {r["iteration"]: r["loss"] for r in train}
+    assert len(by_iteration) == len(train), "an iteration was logged twice"
+    return by_iteration
+
+
+def job_knobs(tmp_path: Path, **more: str) -> dict[str, str]:
+    return {**KNOBS, "RUN_DIR": str(tmp_path / "run"), "DATA_CACHE_PATH": str(tmp_path / "cache"), **more}
+
+
+def report(job, what: str) -> None:
+    """One line per job in pytest's output (-rP shows it; the closing notes quote it)."""
+    print(f"job {job.job_id} ({what}): status {job.status}, {job.seconds:.0f} s, "
+          f"restarts {job.info.get('Restarts')}, state {job.info.get('JobState')}")  # fmt: skip
+
+
+# --- GPUs asked for, GPUs had -------------------------------------------------------------
+
+
+def test_an_exclusive_job_is_handed_every_gpu_of_the_node(slurm, tmp_path):
+    """The premise of the next test: with --exclusive, as the recipes' headers ask, a job
+    that asked for 2 GPUs has all of the node's (Slurm: an exclusive job "is allocated all
+    CPUs and GRES on all nodes")."""
+    script = tmp_path / "show.sh"
+    script.write_text("#!/bin/bash\necho ON_NODE=$SLURM_GPUS_ON_NODE PER_NODE=$SLURM_GPUS_PER_NODE\n")
+    job = slurm.submit(
+        str(script), knobs={}, sbatch_args=("--exclusive", *ASKED), output=tmp_path / "out",
+        timeout=60,
+    )  # fmt: skip
+    assert job.status == 0 and f"ON_NODE={NODE_GPUS} PER_NODE=2" in job.output, job.output
+
+
+@pytest.mark.parametrize(
+    ("script", "launcher"),
+    [
+        ("pretrain_gpt_srun.sh", "--ntasks-per-node=2"),
+        ("pretrain_gpt_torchrun.sh", "--nproc-per-node 2"),
+        ("ab_compare.sh", "--ntasks-per-node=2"),
+    ],
+)
+def test_ranks_per_node_are_the_gpus_the_job_asked_for(slurm, tmp_path, script, launcher):
+    """Submitted with --gpus-per-node=2 to the 8-GPU node: 2 ranks, one per GPU asked for.
+    The recipes used to take the 8 GPUs --exclusive handed the job: 8 ranks (DP = 4) on a
+    job that asked for 2 GPUs."""
+    job = slurm.submit(
+        script, knobs=job_knobs(tmp_path, DRY_RUN="1"), sbatch_args=ASKED,
+        output=tmp_path / "out", timeout=60,
+    )  # fmt: skip
+    assert job.status == 0, job.output
+    assert "1 node(s) x 2 ranks, TP=2, PP=1, DP=1" in job.output
+    assert launcher in job.output
+    if script == "ab_compare.sh":
+        assert "--gpus 2 " in job.output
+    # More ranks than the node gave the job GPUs would share GPUs: refused, naming both.
+    refused = slurm.submit(
+        script, knobs=job_knobs(tmp_path, DRY_RUN="1", GPUS_PER_NODE=str(2 * NODE_GPUS)),
+        sbatch_args=ASKED, output=tmp_path / "refused", timeout=60,
+    )  # fmt: skip
+    assert refused.status == 1
+    assert f"GPUS_PER_NODE={2 * NODE_GPUS} ranks per node, but the job has {NODE_GPUS}" in (
+        refused.output
+    )
+
+
+# --- Training jobs ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ab_srun(slurm, tmp_path_factory):
+    """ab_compare.sh's job, srun style: baseline and --domino, then the report. Its arms are
+    the uninterrupted runs the requeued jobs below are held to."""
+    tmp_path = tmp_path_factory.mktemp("ab-srun")
+    job = slurm.submit(
+        "ab_compare.sh", knobs=job_knobs(tmp_path, AB_DIR=str(tmp_path / "ab")),
+        sbatch_args=ASKED, output=tmp_path / "out", timeout=JOB_TIMEOUT,
+    )  # fmt: skip
+    report(job, "ab_compare.sh, srun")
+    assert job.status == 0, job.output[-3000:]
+    return tmp_path / "ab"
+
+
+def test_ab_compare_in_both_launch_styles_writes_its_table_and_equal_losses(
+    slurm, tmp_path, ab_srun
+):
+    """srun per rank and srun torchrun per node, each without and with --domino: the same
+    losses (bit for bit between the styles; Domino's within float rounding of stock's, its
+    chunks sum in another order), and the report's table.md and ab.json."""
+    job = slurm.submit(
+        "ab_compare.sh",
+        knobs=job_knobs(tmp_path, AB_DIR=str(tmp_path / "ab"), LAUNCHER="torchrun"),
+        sbatch_args=ASKED, output=tmp_path / "out", timeout=JOB_TIMEOUT,
+    )  # fmt: skip
+    report(job, "ab_compare.sh, torchrun")
+    assert job.status == 0, job.output[-3000:]
+    for ab, style in ((ab_srun, "srun"), (tmp_path / "ab", "torchrun")):
+        table = (ab / "table.md").read_text()
+        assert table.startswith("| arm | system | GPUs | precision | model |")
+        assert "| baseline |" in table and "| domino |" in table and "| p=2 k=1 |" in table
+        result = json.loads((ab / "ab.json").read_text())
+        assert set(result["arms"]) == {"baseline", "domino"}
+        assert result["loss_parity"]["common_iterations"] == TRAIN_ITERS
+        assert result["loss_parity"]["max_abs_diff"] < 1e-4, style
+        assert f"launcher={style}" in json.dumps(result)
+        command = result["arms"]["domino"]["command"]
+        assert command.startswith("srun ") and (("torchrun" in command) == (style == "torchrun"))
+    for arm in ("baseline", "domino"):
+        srun_losses = losses(ab_srun / arm / "log.jsonl")
+        assert list(srun_losses) == list(range(1, TRAIN_ITERS + 1))
+        assert losses(tmp_path / "ab" / arm / "log.jsonl") == srun_losses, arm
+
+
+def _resumed(train_log: str) -> list[tuple[int, int]]:
+    """(iteration stopped at, status) of every requeue the script logged."""
+    found = re.findall(r"# training stopped at iteration (\d+) of \d+ \(status (\d+)\); requeueing", train_log)
+    return [(int(i), int(s)) for i, s in found]
+
+
+def _check_resumed_run(tmp_path: Path, ab_srun: Path, job) -> int:
+    """The requeued job's run: requeued once, resumed from the iteration it saved on the
+    signal, trained to the end, every iteration logged once, the losses of the uninterrupted
+    --domino run. Returns the iteration it saved at."""
+    assert job.status == 0 and job.info["JobState"] == "COMPLETED", job.output[-3000:]
+    assert job.info["Restarts"] == "1"
+    train_log = (tmp_path / "run" / "train.log").read_text()
+    [(saved, status)] = _resumed(train_log)
+    assert 0 < saved < TRAIN_ITERS
+    # Megatron-LM's own line when it loads the checkpoint the signal made it save.
+    loaded = rf"successfully loaded checkpoint from \S+ \[.*\] at iteration {saved}\b"
+    assert re.search(loaded, train_log), train_log[-3000:]
+    assert f"iteration {TRAIN_ITERS:8d}/{TRAIN_ITERS:8d}" in train_log
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == str(TRAIN_ITERS)
+    resumed = losses(tmp_path / "run" / "log.jsonl")
+    assert list(resumed) == list(range(1, TRAIN_ITERS + 1))
+    assert resumed == losses(ab_srun / "domino" / "log.jsonl")
+    print(f"saved at iteration {saved} (status {status}), resumed from {saved}, final {TRAIN_ITERS}")
+    return saved
+
+
+def _trained_iterations(tmp_path: Path) -> int:
+    log = tmp_path / "run" / "log.jsonl"
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def test_sigterm_before_the_time_limit_saves_requeues_and_resumes(slurm, tmp_path, ab_srun):
+    """srun style: SIGTERM to the job's ranks mid-run (what --signal=TERM@300 sends five
+    minutes before the limit; here scancel --signal=TERM): every rank saves and exits, the
+    script requeues the job, Slurm restarts it, it resumes and finishes."""
+    signalled = []
+
+    def signal_mid_run(job_id, info):
+        if not signalled and info["JobState"] == "RUNNING" and _trained_iterations(tmp_path) >= 20:
+            signalled.append(_trained_iterations(tmp_path))
+            slurm.scancel("--signal=TERM", job_id)
+
+    job = slurm.submit(
+        "pretrain_gpt_srun.sh", knobs=job_knobs(tmp_path, DOMINO="1"), sbatch_args=ASKED,
+        output=tmp_path / "out", timeout=JOB_TIMEOUT, while_running=signal_mid_run,
+    )  # fmt: skip
+    report(job, "pretrain_gpt_srun.sh, SIGTERM")
+    assert signalled, "the run ended before it was signalled"
+    assert _check_resumed_run(tmp_path, ab_srun, job) >= signalled[0]
+
+
+def _seconds(run_time: str) -> int:
+    """Slurm's [D-]HH:MM:SS as seconds."""
+    days, _, clock = run_time.rpartition("-")
+    hours, minutes, seconds = (int(part) for part in clock.split(":"))
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+def test_the_time_limit_signal_saves_requeues_and_resumes(slurm, tmp_path, ab_srun):
+    """torchrun style, a real time limit: submitted with --time=30 --signal=TERM@150; once it
+    trains, its limit is cut (scontrol update TimeLimit) to 2-3 minutes from now, so Slurm
+    itself sends the signal at its next time-limit check (every 30 s, up to 30 s early) and
+    the kill is still 90 s or more away. Torchrun passes the signal to its ranks, they save,
+    the script requeues the job (with its limit back at 30 minutes, so the restart runs to
+    the end)."""
+    cut = []
+
+    def cut_the_time_limit(job_id, info):
+        if not cut and info["JobState"] == "RUNNING" and _trained_iterations(tmp_path) >= 10:
+            minutes = math.ceil(_seconds(info["RunTime"]) / 60) + 2
+            cut.append(minutes)
+            slurm.scontrol("update", f"JobId={job_id}", f"TimeLimit={minutes}")
+
+    job = slurm.submit(
+        "pretrain_gpt_torchrun.sh", knobs=job_knobs(tmp_path, DOMINO="1"),
+        sbatch_args=(*ASKED, "--time=30", "--signal=TERM@150"), output=tmp_path / "out",
+        timeout=JOB_TIMEOUT, while_running=cut_the_time_limit, on_requeue=("TimeLimit=30",),
+    )  # fmt: skip
+    report(job, "pretrain_gpt_torchrun.sh, time limit")
+    assert cut, "the run ended before its time limit was cut"
+    _check_resumed_run(tmp_path, ab_srun, job)
+
+
+def test_a_refused_command_line_is_not_requeued_and_keeps_its_status(slurm, tmp_path):
+    """Without CPU=1 on this GPU-less node the script refuses NCCL (status 2) and says which
+    knob to set; the job fails at once with that status instead of being requeued
+    MAX_REQUEUES times (issue 29: 4 runs over 12 minutes before FAILED)."""
+    knobs = job_knobs(tmp_path)
+    del knobs["CPU"]
+    job = slurm.submit(
+        "pretrain_gpt_srun.sh", knobs=knobs, sbatch_args=ASKED, output=tmp_path / "out",
+        timeout=JOB_TIMEOUT,
+    )  # fmt: skip
+    report(job, "pretrain_gpt_srun.sh, refused")
+    assert job.status == 2 and job.info["JobState"] == "FAILED", job.output[-3000:]
+    assert job.info["Restarts"] == "0" and job.info["ExitCode"] == "2:0"
+    assert "no CUDA device here" in job.output and "CPU=1" in job.output
+    assert "not requeued: the command line or an input was refused" in job.output
