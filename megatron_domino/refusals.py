@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
 from megatron_domino.plan import LAYER_PLAN, LINEARS, Target, is_te_core_attention, is_te_linear
+from megatron_domino.te_spec import TENormsApartLayer
 from megatron_domino.version import check_transformer_engine_version
 
 __all__ = [
@@ -430,8 +431,10 @@ def _sequence_split_problems(block: TransformerBlock) -> list[str]:
 
 
 def layer_problems(layer: torch.nn.Module) -> list[str]:
-    """Structural checks: Domino calls these submodules itself, so they must be the stock ones."""
-    if type(layer) is not TransformerLayer or layer.is_moe_layer:
+    """Structural checks: Domino calls these submodules itself, so they must be the stock ones
+    (:class:`~megatron_domino.te_spec.TENormsApartLayer` differs from Megatron's only in how it
+    saves and loads checkpoints)."""
+    if type(layer) not in (TransformerLayer, TENormsApartLayer) or layer.is_moe_layer:
         return [f"{type(layer).__name__} is not a dense Megatron-Core TransformerLayer"]
     attention, mlp = layer.self_attention, layer.mlp
     problems = []

@@ -11,11 +11,22 @@ redundantly, and its backward re-gathers what the fused module keeps of the whol
 This spec builds the same layer with the norm a module of its own (Megatron-Core's ``TENorm``,
 from the backend's ``layer_norm``) and a ``TEColumnParallelLinear``: Domino's norm op then
 normalises the shard and gathers the norm output, exactly as for Megatron's local layers, and
-the linear keeps the gathered input's shard (:mod:`megatron_domino.saved_shards`). The
-parameters are the fused layer's, under other names; ``sharded_state_dict_keys_map`` maps them
-to the fused layer's checkpoint keys (``input_layernorm.`` is
-``self_attention.linear_qkv.layer_norm_``, as Megatron-Core's own local spec maps it), so
-``torch_dist`` checkpoints load either way.
+the linear keeps the gathered input's shard (:mod:`megatron_domino.saved_shards`).
+
+Why not the fused module, running its norm and its GEMM apart: TE's ``LayerNormLinear`` has
+no entry that takes an input normalised outside it, so running its GEMM alone would mean
+calling TE's private ``_Linear`` autograd function (or ``Linear.forward`` on a
+``LayerNormLinear``) with the module's weight cache, quantizers and fused weight-gradient
+accumulation: Domino would depend on TE internals that change between releases.
+
+Checkpoints are the fused layer's, both ways (:class:`TENormsApartLayer`): the parameters are
+the fused layer's under other names, so the layer saves and loads them under the fused
+layer's keys (``input_layernorm.`` is ``self_attention.linear_qkv.layer_norm_``, as
+Megatron-Core's own local spec maps it), in ``torch_dist`` (``sharded_state_dict_keys_map``)
+and plain ``state_dict`` form; the norms' own ``_extra_state`` (a TE norm is an ops module
+with quantizer state, ``ops/op.py``; the fused layer keeps its FP8 state in the linear's, which
+both layers save as ``linear_qkv._extra_state``) is left out of what the layer saves and
+restored from the module on load, since no fused checkpoint has it.
 
 Use it with ``--spec megatron_domino.te_spec te_norms_apart_block_spec``, in
 ``pretrain_gpt_domino.py`` or Megatron-LM's patched ``pretrain_gpt.py``: both build the model
@@ -39,13 +50,61 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from megatron_domino.block_specs import refuse_features, stage_block
 
-__all__ = ["self_attention_spec", "te_norms_apart_block_spec", "te_norms_apart_layer_spec"]
+__all__ = [
+    "TENormsApartLayer",
+    "self_attention_spec",
+    "te_norms_apart_block_spec",
+    "te_norms_apart_layer_spec",
+]
 
 #: This layer's parameter names -> the fused TE layer's (checkpoint keys).
 FUSED_KEYS = {
     "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
 }
+#: The norms' own TE state, which no fused checkpoint has.
+_NORM_EXTRA_STATES = tuple(f"{apart}_extra_state" for apart in FUSED_KEYS)
+
+
+class TENormsApartLayer(TransformerLayer):
+    """Megatron-Core's ``TransformerLayer`` whose checkpoints are the fused TE layer's.
+
+    ``torch_dist``: :meth:`sharded_state_dict` leaves the norms' ``_extra_state`` out (the
+    parameters are mapped by ``sharded_state_dict_keys_map``). Plain ``state_dict``: saved
+    under the fused layer's names without the norms' ``_extra_state``; a load renames the fused
+    names back and takes the norms' ``_extra_state`` from the modules themselves.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_state_dict_post_hook(_save_as_fused)
+        self.register_load_state_dict_pre_hook(_load_from_fused)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """Megatron's sharded state, without the norms' ``_extra_state``."""
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        for name in _NORM_EXTRA_STATES:
+            sharded.pop(f"{prefix}{name}", None)
+        return sharded
+
+
+def _save_as_fused(module, state_dict, prefix, local_metadata) -> None:
+    """``state_dict`` post-hook: the norms' entries under the fused layer's names."""
+    for name in _NORM_EXTRA_STATES:
+        state_dict.pop(f"{prefix}{name}", None)
+    for apart, fused in FUSED_KEYS.items():
+        for key in [key for key in state_dict if key.startswith(prefix + apart)]:
+            state_dict[prefix + fused + key[len(prefix + apart) :]] = state_dict.pop(key)
+
+
+def _load_from_fused(module, state_dict, prefix, *args) -> None:
+    """``load_state_dict`` pre-hook: the fused layer's names back to the norms', and the norms'
+    ``_extra_state`` as the modules hold it."""
+    for apart, fused in FUSED_KEYS.items():
+        for key in [key for key in state_dict if key.startswith(prefix + fused)]:
+            state_dict[prefix + apart + key[len(prefix + fused) :]] = state_dict.pop(key)
+        norm = getattr(module, apart.rstrip("."))
+        state_dict.setdefault(f"{prefix}{apart}_extra_state", norm.get_extra_state())
 
 
 def _te_backend():
@@ -92,7 +151,7 @@ def te_norms_apart_layer_spec(backend=None) -> ModuleSpec:
     )
     attention = self_attention_spec(apart, apart.column_parallel_linear())
     return ModuleSpec(
-        module=TransformerLayer,
+        module=TENormsApartLayer,
         submodules=TransformerLayerSubmodules(
             input_layernorm=apart.layer_norm(),
             self_attention=attention,
