@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast test-te demo bench gpu-check lint clean
+.PHONY: install test test-fast test-te test-slurm demo bench gpu-check lint clean
 
 # Transformer Engine's own Python, which the TE tests run on the CPU (tests/te_cpu): a folder of
 # its own beside the venv, not in it (an importable TE without its compiled library makes
@@ -39,11 +39,18 @@ install: $(STAMP) $(TE_STAMP)
 # in one process): run serially, the suite left the two cores 30-50 % idle while a launch's
 # ranks waited on each other (vmstat, 2026-12-02); times in tests/README.md.
 test: $(STAMP) $(TE_STAMP)
-	MEGATRON_DOMINO_TE_HOME=$(TE_HOME) $(PY) -m pytest -q -n 2 --dist loadfile --durations=30 tests
+	MEGATRON_DOMINO_TE_HOME=$(TE_HOME) $(PY) -m pytest -q -n 2 --dist loadfile --durations=30 \
+		--ignore=tests/slurm tests
 
 # The tests that run Transformer Engine's own code (marker `te`), on TE $(TE).
 test-te: $(STAMP) $(TE_STAMP)
 	MEGATRON_DOMINO_TE_HOME=$(TE_HOME) $(PY) -m pytest -q -n 2 --dist loadfile -m te tests
+
+# The SLURM tier (tests/slurm/, after make test in .ci/run): a one-node Slurm started as root
+# (scripts/slurm_cluster.sh, which installs slurm-wlm and munge with apt-get where missing),
+# the recipes submitted to it with sbatch. -rP prints each job's id, status and wall time.
+test-slurm: $(STAMP)
+	$(PY) -m pytest -q -rP --durations=0 tests/slurm
 
 # The developer's loop before a commit (tests/README.md): the unit tier and the core claims.
 FAST_TESTS := tests/unit tests/ranks/test_domino_overlap.py \

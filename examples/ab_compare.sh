@@ -14,6 +14,8 @@
 # left out of the medians; default 10 % of them, at least 1) and SYSTEM (a name for the
 # machine in the table). DOMINO_CHUNKS, DOMINO_COLUMN_CHUNKS, ... shape the Domino arm.
 # The allocation has 8 tasks per node so that both srun styles fit in it.
+# --exclusive gives the job the whole node (no neighbour's traffic in a measurement),
+# all of its GPUs included; the ranks per node are the GPUs asked for (--gpus-per-node).
 #SBATCH --job-name=domino-ab
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=8

@@ -15,10 +15,14 @@
 # job requeues itself (up to MAX_REQUEUES=3 times; same job id, so the same RUN_DIR). Every
 # restart resumes from the latest complete checkpoint in CHECKPOINT_DIR (default
 # RUN_DIR/checkpoints, every SAVE_INTERVAL=1000 iterations; CHECKPOINT_DIR= turns
-# checkpoints and restarts off).
+# checkpoints and restarts off). Not requeued: a refused command line or a failure before
+# anything new was saved, which a retry would repeat (recipe_requeue_unfinished in
+# lib/common.sh; torchrun reports its ranks' failures, status 2 included, as 1).
 #
 # Knobs (MODEL, TP, MICRO_BATCH_SIZE, DOMINO, ...) are environment variables: see
 # examples/README.md. Add --partition/--account on the sbatch command line.
+# --exclusive gives the job the whole node (no neighbour's traffic in a measurement),
+# all of its GPUs included; the ranks per node are the GPUs asked for (--gpus-per-node).
 #SBATCH --job-name=domino-gpt
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1

@@ -120,9 +120,7 @@ def check_megatron_core_version(found: Version | None = None) -> Version:
         )
         return found
     opt_in = (
-        f" To run this newer release anyway, untested, set {ALLOW_UNTESTED_ENV}=1."
-        if newer
-        else ""
+        f" To run this newer release anyway, untested, set {ALLOW_UNTESTED_ENV}=1." if newer else ""
     )
     raise UnsupportedMegatronVersion(
         f"megatron-core {found}{where} is not a release megatron-domino is tested with "

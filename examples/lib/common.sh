@@ -481,8 +481,9 @@ recipe_launcher() {
     case $RECIPE_STYLE in
     srun)
         # One task per GPU; each rank reads its rank, world size and local rank from SLURM.
-        # --ntasks too: srun would take the job's SLURM_NTASKS (the #SBATCH 8 per node), more
-        # tasks than ranks when the job asked for fewer GPUs.
+        # --ntasks too, here and for torchrun: srun would take the job's SLURM_NTASKS (the
+        # #SBATCH 8 per node), more tasks than ranks when the job asked for fewer GPUs, or
+        # than nodes for ab_compare.sh's torchrun arm.
         LAUNCH_CMD=(srun --nodes="$NNODES" --ntasks="$WORLD_SIZE" --ntasks-per-node="$GPUS_PER_NODE"
             --kill-on-bad-exit=1 "${srun_args[@]}" "$PYTHON" "$script")
         ;;
@@ -491,7 +492,7 @@ recipe_launcher() {
         # first node numbers them, so every node runs the identical command. When a rank dies,
         # torchrun restarts all of them (up to MAX_RESTARTS times), and they resume from the
         # latest checkpoint.
-        LAUNCH_CMD=(srun --nodes="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1
+        LAUNCH_CMD=(srun --nodes="$NNODES" --ntasks="$NNODES" --ntasks-per-node=1 --kill-on-bad-exit=1
             "${srun_args[@]}" "${torchrun[@]}" --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE"
             --max-restarts "$MAX_RESTARTS" --rdzv-id "${SLURM_JOB_ID:-0}" --rdzv-backend c10d
             --rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" "$script")

@@ -307,6 +307,7 @@ def test_a_distributed_optimizer_resume_without_fused_adam_names_the_cause(monke
     message = str(err.value)
     assert "distributed optimizer cannot resume without Apex or Transformer Engine" in message
     assert "DISTRIBUTED_OPTIMIZER=0" in message and "model flags" not in message
+
     # Any other assertion keeps the generic hint.
     def fails_elsewhere(*args, **kwargs):
         raise AssertionError

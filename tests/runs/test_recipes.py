@@ -7,11 +7,11 @@ script's ``extra_args_provider``, so an unknown flag fails) and validation (``va
 for the printed world size), then Domino's checks (``check_args``: chunk shapes, Transformer
 Engine rules) and the flags the script's GPT path refuses. Validation opens no file and needs
 no GPU (the GPU's architecture is answered as a Hopper's), so it runs in full for mock and
-real data alike. Not checked here: that a model fits in GPU memory, and that a real srun
-accepts its options. One slow test runs the srun recipe for real on CPU, with a stand-in for
-srun that starts the ranks with SLURM's variables, and reads its logs with the A/B report
-(``megatron_domino.tools.ab_report``), so a change of Megatron-LM's log format shows up here;
-the report's unit tests write their JSON records through the script's own ``--log-json`` hook.
+real data alike. Not checked here: that a model fits in GPU memory, and what a real SLURM
+does with the jobs: ``tests/slurm/`` submits them with sbatch to a real one-node Slurm
+(``make test-slurm``), trains, signals, requeues and resumes them, and reads their real logs
+with the A/B report (``megatron_domino.tools.ab_report``). The report's unit tests here write
+their JSON records through the script's own ``--log-json`` hook.
 """
 
 from __future__ import annotations
@@ -266,44 +266,16 @@ def test_inside_a_slurm_job_the_first_node_job_id_and_cpus_are_used(tmp_path):
     assert exports(srun.stdout)["MASTER_PORT"] == "24242"
 
 
-#: A one-node job of the recipes' own #SBATCH shape (8 tasks per node), submitted with
-#: ``sbatch --gpus-per-node=4``: SLURM's variables in the batch script.
-FOUR_GPU_JOB = {
-    "SLURM_JOB_ID": "77",
-    "SLURM_NNODES": "1",
-    "SLURM_NTASKS_PER_NODE": "8",
-    "SLURM_GPUS_ON_NODE": "4",
-    "SLURM_GPUS_PER_NODE": "4",
-}
-
-
-@pytest.mark.parametrize(
-    "gpus",
-    [{}, {"SLURM_GPUS_ON_NODE": ""}, {"SLURM_GPUS_ON_NODE": "", "SLURM_GPUS_PER_NODE": "h100:4"}],
-)
-def test_ranks_per_node_are_the_gpus_slurm_allocated(gpus, monkeypatch):
-    """With --gpus-per-node=4 the recipes used to start 8 ranks per node (two per GPU)."""
-    job = {**FOUR_GPU_JOB, **gpus}
-    srun = run_script(SCRIPTS["srun"], MOCK="1", TP="4", **job)
-    [(launcher, flags)] = launches(srun.stdout)
-    assert "--ntasks-per-node=4" in launcher
-    assert srun.stdout.startswith("# pretrain: gpt3-6.7b, 1 node(s) x 4 ranks, TP=4, PP=1, DP=1")
-    assert accepted(flags, world_size=4, monkeypatch=monkeypatch).global_batch_size == 2
-    torchrun = run_script(SCRIPTS["torchrun"], MOCK="1", TP="4", **job)
-    [(launcher, _)] = launches(torchrun.stdout)
-    assert "--ntasks-per-node=1" in launcher and option(launcher, "--nproc-per-node") == "4"
-    ab = run_script("ab_compare.sh", MOCK="1", TP="4", **job)
-    report = shlex.split(
-        next(line for line in ab.stdout.splitlines() if "megatron_domino.tools.ab_report" in line)
-    )
-    assert option(report, "--gpus") == "4"
-
-
-def test_ranks_per_node_beyond_the_allocation_are_refused():
-    refused = run_script(SCRIPTS["srun"], check=False, MOCK="1", GPUS_PER_NODE="8", **FOUR_GPU_JOB)
-    assert refused.returncode == 1 and "ranks would share GPUs" in refused.stderr
-    job = {**FOUR_GPU_JOB, "SLURM_GPUS_ON_NODE": "8", "SLURM_GPUS_PER_NODE": "8"}
-    job["SLURM_NTASKS_PER_NODE"] = "4"
+def test_gpus_per_node_in_the_forms_the_slurm_tier_does_not_submit():
+    """tests/slurm/ submits the recipes with --gpus-per-node=2 to a real 8-GPU node (one rank
+    per GPU asked for, in both styles and ab_compare.sh; more ranks than the node's GPUs
+    refused). Left to SLURM's variables stood in for here: a typed request, a job whose tasks
+    per node are fewer than the GPUs it asked for, and a job that shows no GPU count."""
+    typed = {"SLURM_JOB_ID": "77", "SLURM_NNODES": "1", "SLURM_NTASKS_PER_NODE": "8"}
+    typed["SLURM_GPUS_PER_NODE"] = "h100:4"  # --gpus-per-node=h100:4; no SLURM_GPUS_ON_NODE
+    done = run_script(SCRIPTS["srun"], MOCK="1", TP="4", **typed)
+    assert "--ntasks-per-node=4" in launches(done.stdout)[0][0]
+    job = {**typed, "SLURM_GPUS_PER_NODE": "8", "SLURM_NTASKS_PER_NODE": "4"}
     refused = run_script(SCRIPTS["srun"], check=False, MOCK="1", **job)
     assert refused.returncode == 1 and "--ntasks-per-node=8" in refused.stderr
     # A job without GPUs in SLURM's variables: srun's tasks per node, torchrun must be told.
@@ -479,9 +451,7 @@ def test_an_unfinished_job_requeues_itself(
         log = (tmp_path / "run" / "train.log").read_text()
         assert "# training stopped at iteration" in log
         assert ("requeueing job 4242" in log) == requeued
-        assert ("not requeued: the command line or an input was refused" in log) == (
-            status == "2"
-        )
+        assert ("not requeued: the command line or an input was refused" in log) == (status == "2")
 
 
 @pytest.mark.parametrize("launcher", ["srun", "torchrun", "local"])
@@ -523,83 +493,6 @@ def test_ab_compare_reports_the_pipeline_parallel_size_it_ran(monkeypatch):
     assert "pp=2" in report and "pp=1" not in report
     (_, base), _ = launches(done.stdout)
     assert accepted(base, world_size=16, monkeypatch=monkeypatch).pipeline_model_parallel_size == 2
-
-
-#: A stand-in for srun on one machine: starts --ntasks-per-node copies of the command with
-#: SLURM's rank variables, as srun does on each node.
-FAKE_SRUN = """#!/bin/bash
-tasks=1
-while [[ $1 == --* ]]; do
-    case $1 in --ntasks-per-node=*) tasks=${1#*=} ;; esac
-    shift
-done
-pids=()
-for ((rank = 0; rank < tasks; rank++)); do
-    SLURM_PROCID=$rank SLURM_NTASKS=$tasks SLURM_LOCALID=$rank "$@" &
-    pids+=($!)
-done
-status=0
-for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-exit $status
-"""
-
-
-@pytest.mark.slow
-def test_srun_recipe_trains_with_ranks_from_slurm_variables(tmp_path, capsys):
-    """The real (not dry) path: exports, run directory, tee'd log, SLURM_PROCID ranks; then
-    the A/B report reads the run's real logs (Megatron-LM's lines, the --log-json records)."""
-    (tmp_path / "bin").mkdir()
-    srun = tmp_path / "bin" / "srun"
-    srun.write_text(FAKE_SRUN)
-    srun.chmod(0o755)
-    python_dir = Path(sys.executable).parent
-    done = run_script(
-        SCRIPTS["srun"],
-        timeout=240,
-        DRY_RUN="0",
-        PATH=f"{srun.parent}:{python_dir}:{os.environ['PATH']}",
-        PYTHON=sys.executable,
-        CPU="1",
-        MODEL="tiny",
-        TP="2",
-        GPUS_PER_NODE="2",
-        BF16="0",
-        MOCK="1",
-        DOMINO="1",
-        TRAIN_ITERS="3",
-        LOG_INTERVAL="1",
-        EVAL_ITERS="1",
-        RUN_DIR=str(tmp_path / "run"),
-        DATA_CACHE_PATH=str(tmp_path / "cache"),
-    )
-    log = (tmp_path / "run" / "train.log").read_text()
-    assert log.startswith("# pretrain: tiny, 1 node(s) x 2 ranks, TP=2, PP=1, DP=1 (srun)")
-    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1\n" in log
-    assert "> Domino: DominoConfig(chunks=2" in log
-    assert (
-        " iteration        3/       3 | " in log
-        and " iteration        3/       3 | " in done.stdout
-    )
-    records = [json.loads(r) for r in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
-    assert [r["iteration"] for r in records if r["kind"] == "train"] == [1, 2, 3]
-    assert [r["iteration"] for r in records if r["kind"] == "validation"] == [3]
-
-    ab_report = load_ab_report()
-    capsys.readouterr()
-    for log_name in ("log.jsonl", "train.log"):
-        run = str(tmp_path / "run" / log_name)
-        out = tmp_path / f"ab-{log_name}"
-        argv = ["--baseline", run, "--domino", run, "--gpus", "2", "--out-dir", str(out)]
-        assert ab_report.main([*argv, "--tokens-per-iteration", str(2 * 128)]) == 0
-        result = json.loads((out / "ab.json").read_text())
-        assert result["arms"]["domino"]["iterations"] == [2, 3] and result["speedup"] == 1.0
-        assert result["loss_parity"]["max_abs_diff"] == 0.0
-        assert result["arms"]["baseline"]["tokens_per_s_per_gpu"] > 0
-        assert result["arms"]["baseline"]["tflops_per_gpu"] is None  # a CPU run's 0.0
-        assert (
-            "/pretrain_gpt_domino.py --distributed-backend gloo"
-            in result["arms"]["domino"]["command"]
-        )
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck is not installed")
