@@ -1,48 +1,62 @@
-"""Domino on Transformer Engine layers, checked on the CPU with TE's contract (``te_stand_in``).
+"""Domino on Transformer Engine's own layers (TE 2.18's Python on the CPU, :mod:`te_cpu`).
 
-Each rank builds a TP = 2 model from Megatron's TE layer spec shape (norms fused into the
-column-parallel linears, the layers' own norms ``IdentityOp``) with the stand-ins of
-:mod:`te_stand_in` in place of TE's linears, runs a forward and backward with the stock block,
-then with Domino, and compares the per-token loss and every gradient.
+Each rank builds a TP = 2 model of real TE modules (:mod:`te_models`: Megatron-Core's TE spec
+without sequence parallelism, the norms-apart spec Domino runs under it), runs a forward and
+backward with the stock block, then with Domino per setting, then stock again after
+``revert``, and compares the per-token loss and every gradient
+(:func:`~megatron_domino.analysis.equivalence.compare_with_stock`), in three precisions:
 
-Under sequence parallelism the fused norms' weight gradients are compared after summing them
-over the TP ranks (what ``finalize_model_grads`` does for parameters marked
-``sequence_parallel``): stock TE computes complete sums over each rank's shard, Domino partial
-sums over the full sequence (see :mod:`megatron_domino.te_linears`); only the totals agree.
+* fp32: element-wise, ``atol = 1e-6, rtol = 1e-5``
+  (:data:`megatron_domino.analysis.equivalence.TOLERANCES`);
+* bf16, and bf16 with FP8 delayed scaling (``--fp8-format hybrid``, TE's real ``fp8_autocast``
+  and its FP8 casts, GEMMs and amax/scale updates on the CPU backend): norm-relative error
+  against an fp32 model with the same weights, within ``1.5 x`` stock's own error per tensor
+  (:data:`~megatron_domino.analysis.equivalence.BF16_BOUND`). Under FP8 every step updates
+  TE's scales and amax histories, so every run starts from the same FP8 state
+  (:func:`te_models.fp8_start_fixed`), and Domino's FP8 state after the step is compared with
+  stock's.
 
-Tolerances: :data:`megatron_domino.analysis.equivalence.TOLERANCES` (fp32 ``atol = 1e-6, rtol = 1e-5``).
-What this does not show: that real TE keeps the contract (see
-``tests/gpu/test_transformer_engine_gpu.py``, which needs TE and two GPUs), or anything about FP8
-numerics.
+Under sequence parallelism the norms' weight gradients are compared after summing them over
+the TP ranks (what ``finalize_model_grads`` does for parameters marked ``sequence_parallel``):
+only the totals agree. What TE ran is read from TE itself (:class:`te_models.TECalls`: each
+linear call's ``parallel_mode``, ``sequence_parallel``, ``is_first_microbatch`` and FP8
+autocast). What this does not show: TE's CUDA kernels (cuBLAS, fused norms, attention
+backends), which ``tests/gpu/test_transformer_engine_gpu.py`` runs on two GPUs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import pytest
 import torch
 from multiproc import run_on_ranks
-from te_stand_in import (
-    FP8_CONTEXT_DEPTH,
-    stand_in_linears,
-    stand_in_te_layer_spec,
-    stand_in_te_norms_apart_layer_spec,
-    take_calls,
+from te_models import (
+    FP8_DELAYED,
+    LAYERS,
+    LinearCall,
+    TECalls,
+    fp8_meta_state,
+    fp8_start_fixed,
+    te_options,
+    te_spec,
 )
-from tiny_models import LLAMA_STYLE
 
-import megatron_domino.block
 from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
-from megatron_domino.analysis.equivalence import compare_with_stock, token_batch, tolerance_for
+from megatron_domino.analysis.equivalence import (
+    compare_with_stock,
+    forward_backward,
+    fp32_reference_model,
+    token_batch,
+    tolerance_for,
+)
 from megatron_domino.apply import apply_domino
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
-from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
+from megatron_domino.harness.gpt_model import build_gpt_model
 from megatron_domino.harness.settings import setting as named_setting
 
-LAYERS = 2
-MODEL = dict(num_layers=LAYERS, **LLAMA_STYLE)
+pytestmark = pytest.mark.te
+
 #: The settings (names: megatron_domino.harness.settings). Without SP, TE keeps its backward
 #: all-reduce, so backward overlap must be off (see refusals.te_problems).
 SETTINGS = [
@@ -55,179 +69,278 @@ SETTINGS = [
         "p4-no-backward-overlap",
     )
 ]
-
-
-def _options(sequence_parallel: bool, **changes) -> GPTOptions:
-    return GPTOptions(**{**MODEL, "sequence_parallel": sequence_parallel, **changes})
-
-
-def _build(options: GPTOptions) -> torch.nn.Module:
-    """The TE layer Domino runs: under SP with its norms apart (fused, it is refused)."""
-    if options.sequence_parallel:
-        return build_gpt_model(options, spec=stand_in_te_norms_apart_layer_spec())
-    return build_gpt_model(options, spec=stand_in_te_layer_spec())
+#: The precisions compared: fp32 for every setting; bf16 and FP8 (delayed) for the first
+#: setting of each SP mode (the precision changes TE's casts, not Domino's schedule).
+PRECISIONS = {"fp32": {}, "bf16": dict(bf16=True), "fp8": dict(bf16=True, **FP8_DELAYED)}
 
 
 def _compare(sequence_parallel: bool) -> dict:
-    """On every rank: each setting against the stock block; spans and TE calls per setting."""
-    options = _options(sequence_parallel)
-    model = _build(options)
-    linears = stand_in_linears(model)
-    settings = {n.name: n.config for n in SETTINGS if n.sequence_parallel == sequence_parallel}
-    comparison = compare_with_stock(
-        model, token_batch(options, 4), settings, tolerance_for(options), record=True,
-        observe=functools.partial(take_calls, linears),
-    )  # fmt: skip
-    assert comparison.revert_error == 0, "revert changed the model"
-    found = {}
+    """On every rank: each setting against the stock block, per precision; spans, TE calls and
+    (FP8) TE's FP8 state per setting."""
+    settings = [n for n in SETTINGS if n.sequence_parallel == sequence_parallel]
+    return {
+        precision: _compare_in(
+            te_options(sequence_parallel, **changes),
+            settings if precision == "fp32" else settings[:1],
+        )
+        for precision, changes in PRECISIONS.items()
+    }
+
+
+def _compare_in(options, named: list) -> dict:
+    """:func:`compare_with_stock` on a model built from ``options``, TE's calls logged. Under
+    FP8, after one step (TE allocates its FP8 state in the first FP8 call), every run starts
+    from the same FP8 state, and the state after stock's run (read once the two stock runs are
+    done) and after each setting's step are kept."""
+    spec = te_spec(options.sequence_parallel)
+    model = build_gpt_model(options, spec=spec)
+    batch = token_batch(options, 4)
+    reference = fp32_reference_model(options, model, spec=spec) if options.bf16 else None
+    fp8 = options.fp8_format is not None
+    if fp8:
+        forward_backward(model, batch)
+    observed = []  # after the stock runs, then after each setting's step
+
+    fixed = fp8_start_fixed(model) if fp8 else contextlib.nullcontext({})
+    with TECalls(model) as calls, fixed as start:
+
+        def observe() -> dict:
+            observed.append(dict(calls=calls.take(), fp8_state=fp8_meta_state(model)))
+            return observed[-1]
+
+        comparison = compare_with_stock(
+            model, batch, {n.name: n.config for n in named}, tolerance_for(options),
+            fp32_reference=reference, record=True, observe=observe,
+        )  # fmt: skip
+    stock = observed[0]
+    found = dict(
+        revert=comparison.revert_error,
+        noise=comparison.stock_noise,
+        stock_calls=[c for module in stock["calls"] for c in module],
+        fp8_start=sorted(start),
+        fp8_step_changed=sorted(_differences(stock["fp8_state"], start)),
+        settings={},
+    )
     for name, compared in comparison.settings.items():
-        assert compared.passed, (name, compared.mismatches[:3], compared.left_pending)
-        found[name] = dict(
-            spans=compared.spans, calls=sum(compared.observed, []), max_error=compared.max_error
+        found["settings"][name] = dict(
+            passed=compared.passed,
+            mismatches=compared.mismatches[:3],
+            pending=compared.left_pending,
+            spans=compared.spans,
+            calls=[c for module in compared.observed["calls"] for c in module],
+            max_error=compared.max_error,
+            fp8_differences=_differences(compared.observed["fp8_state"], stock["fp8_state"]),
         )
     return found
 
 
+def _differences(state: dict, stock: dict) -> dict:
+    """Per FP8 state tensor that differs from stock's: the largest relative difference."""
+    assert state.keys() == stock.keys()
+    return {
+        key: (
+            (state[key] - stock[key]).abs().max() / stock[key].abs().max().clamp(min=1e-30)
+        ).item()
+        for key in stock
+        if not torch.equal(state[key], stock[key])
+    }
+
+
 @pytest.fixture(scope="module", params=[True, False], ids=["sequence-parallel", "no-sp"])
 def compared(request):
-    return request.param, run_on_ranks(_compare, 2, args=(request.param,))[0]
+    return request.param, run_on_ranks(_compare, 2, args=(request.param,), te=True)[0]
 
 
 def test_matches_stock_and_runs_te_without_its_collectives(compared):
-    """Loss and gradients match stock; every TE call made by Domino ran without TE's own
-    collectives, except the column linears without sequence parallelism, which keep TE's
-    backward all-reduce."""
+    """Loss and gradients match stock in fp32 (within 1e-6), bf16 and FP8 (the bf16 bound),
+    nothing left in flight, and the revert restores stock exactly. Stock's TE calls ran with
+    TE's own collectives (``row``/``column``, ``sequence_parallel`` as the model); every TE
+    linear call made by Domino ran without them, except the column linears without sequence
+    parallelism, which keep TE's backward all-reduce; under FP8 every one ran inside an FP8
+    autocast (without it TE runs bf16 GEMMs, which the bf16 bound alone would let through)."""
     sequence_parallel, results = compared
-    for setting, found in results.items():
-        assert found["max_error"] < 1e-6, setting
-        modes = {(call.parallel_mode, call.sequence_parallel) for call in found["calls"]}
-        expected = {(None, False)} if sequence_parallel else {(None, False), ("column", False)}
-        assert modes == expected, (setting, modes)
+    for precision, found in results.items():
+        assert (found["revert"], found["noise"]) == (0.0, 0.0), precision
+        linears = {c for c in found["stock_calls"] if isinstance(c, LinearCall)}
+        assert {(c.parallel_mode, c.sequence_parallel) for c in linears} == {
+            ("row", sequence_parallel), ("column", sequence_parallel)
+        }, precision  # fmt: skip
+        for setting, checked in found["settings"].items():
+            assert checked["passed"], (
+                precision,
+                setting,
+                checked["mismatches"],
+                checked["pending"],
+            )
+            if precision == "fp32":
+                assert checked["max_error"] < 1e-6, setting
+            calls = [c for c in checked["calls"] if isinstance(c, LinearCall)]
+            modes = {(call.parallel_mode, call.sequence_parallel) for call in calls}
+            expected = {(None, False)} if sequence_parallel else {(None, False), ("column", False)}
+            assert modes == expected, (precision, setting, modes)
+            in_fp8 = {call.depth == 1 for call in calls}
+            assert in_fp8 == {precision == "fp8"}, (precision, setting, in_fp8)
+
+
+def test_fp8_state_after_a_step_equals_stocks(compared):
+    """FP8 delayed scaling, from the same FP8 state: after one step, every TE module's scales
+    and amax histories (forward and backward) are exactly stock's. Chunking changes neither
+    the amaxes TE records (the maximum over the chunks' casts is the maximum over the batch,
+    and the chunks cast the same values) nor when TE updates: the forward update at the end
+    of the one autocast, the backward one in the backward of the autocast's first FP8 call,
+    which under Domino is chunk 0's and runs after every other chunk's. The step did update
+    the state (so the comparison is not of two untouched states)."""
+    _, results = compared
+    found = results["fp8"]
+    histories = [
+        key for key in found["fp8_start"] if ".linear_" in key and key.endswith(".amax_history")
+    ]
+    assert len(histories) == 2 * 4 * LAYERS, found["fp8_start"]  # fwd, bwd per TE linear
+    assert set(histories) <= set(found["fp8_step_changed"])
+    for setting, checked in found["settings"].items():
+        assert checked["fp8_differences"] == {}, (setting, checked["fp8_differences"])
 
 
 def test_collectives_match_the_schedule_and_overlap(compared):
     """Counts as for Megatron's linears (SP: gathers and scatters in both directions; no SP:
     forward all-reduces only); with inter-layer overlap (intra-layer mode drains each layer),
-    every collective but the schedule's first and last overlapped other work."""
+    every collective but the schedule's first and last overlapped other work. In every
+    precision compared (the FP8 gathers under SP carry FP8 bits, the count is the same)."""
     sequence_parallel, results = compared
     for named in SETTINGS:
         if named.sequence_parallel != sequence_parallel:
             continue
         setting, config = named.name, named.config
-        spans = results[setting]["spans"]
-        wrong = count_mismatches(
-            spans,
-            config,
-            num_layers=LAYERS,
-            sequence_parallel=sequence_parallel,
-            embedding=not sequence_parallel,
-            output_layer=not sequence_parallel,
-        )
-        assert not wrong, (setting, wrong)
-        if not config.inter_layer:
-            continue
-        violations = overlap_violations(spans, config, sequence_parallel=sequence_parallel)
-        assert not violations, (setting, violations[:3])
+        for precision, found in results.items():
+            if setting not in found["settings"]:
+                continue
+            spans = found["settings"][setting]["spans"]
+            wrong = count_mismatches(
+                spans,
+                config,
+                num_layers=LAYERS,
+                sequence_parallel=sequence_parallel,
+                embedding=not sequence_parallel,
+                output_layer=not sequence_parallel,
+            )
+            assert not wrong, (precision, setting, wrong)
+            if config.inter_layer:
+                violations = overlap_violations(spans, config, sequence_parallel=sequence_parallel)
+                assert not violations, (precision, setting, violations[:3])
 
 
-def _first_microbatch_flags(fuse_wgrad_accumulation: bool, sequence_parallel: bool) -> list:
-    """``is_first_microbatch`` as TE would see it, per call, for one Domino forward."""
-    options = _options(sequence_parallel)
-    model = _build(options)
-    linears = stand_in_linears(model)
-    for linear in linears:
-        linear.fuse_wgrad_accumulation = fuse_wgrad_accumulation
-    config = DominoConfig(chunks=2, backward_overlap=sequence_parallel)
-    with apply_domino(model, config):
-        model(**token_batch(options, 4))
-    return [[call.is_first_microbatch for call in linear.calls] for linear in linears]
+def _first_microbatch_flags() -> dict:
+    """``is_first_microbatch`` as TE received it, per linear and call, for one Domino forward
+    of a fresh model (Megatron's wrappers start at True), per SP mode and weight-gradient
+    fusion."""
+    found = {}
+    for sequence_parallel in (True, False):
+        options = te_options(sequence_parallel)
+        for fused in (True, False):
+            model = build_gpt_model(options, spec=te_spec(sequence_parallel))
+            with TECalls(model) as calls:
+                for linear in calls.modules:
+                    linear.fuse_wgrad_accumulation = fused
+                config = DominoConfig(chunks=2, backward_overlap=sequence_parallel)
+                with apply_domino(model, config):
+                    model(**token_batch(options, 4))
+                found[sequence_parallel, fused] = [
+                    [call.is_first_microbatch for call in module]
+                    for module in calls.take()
+                    if module and isinstance(module[0], LinearCall)
+                ]
+    return found
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sequence-parallel", "no-sp"])
-def test_first_microbatch_flag_keeps_weight_gradients_accumulating(sequence_parallel):
-    """TE would overwrite main_grad in the backward of a call flagged first (with fused
+def test_first_microbatch_flag_keeps_weight_gradients_accumulating():
+    """TE overwrites main_grad in the backward of a call flagged first (with fused
     weight-gradient accumulation), and the first chunk's backward runs last: Domino never
-    passes True. It passes False to every chunk, with or without fusion, after dropping TE's
-    cached FP8 weight, so the first chunk's call casts it afresh and the others reuse it
-    (``tests/ranks/test_te_contract.py`` counts the casts)."""
-    for fused in (True, False):
-        flags = run_on_ranks(_first_microbatch_flags, 2, args=(fused, sequence_parallel))[0]
-        assert all(linear_flags == [False, False] for linear_flags in flags), (fused, flags)
+    passes True. TE receives False for every chunk, with or without fusion and SP, on a fresh
+    model whose wrappers would pass True (Domino drops TE's cached FP8 weight instead, so the
+    first chunk's call casts it afresh and the others reuse it; ``tests/ranks/test_te_contract.py``
+    counts the casts)."""
+    found = run_on_ranks(_first_microbatch_flags, 2, te=True)[0]
+    for case, flags in found.items():
+        assert flags and all(linear == [False, False] for linear in flags), (case, flags)
 
 
-def _fp8_context_use() -> tuple[int, set]:
-    """FP8 (delayed): how often the block entered an FP8 context, and whether each call was in."""
-    options = _options(True)
-    model = _build(options)
-    model.config.fp8, model.config.fp8_recipe = "hybrid", "delayed"
-    entered = []
-
-    @contextlib.contextmanager
-    def fp8_autocast_stand_in(config):
-        entered.append(config.fp8_recipe)
-        FP8_CONTEXT_DEPTH[0] += 1
-        try:
-            yield
-        finally:
-            FP8_CONTEXT_DEPTH[0] -= 1
-
-    megatron_domino.block.get_fp8_context = fp8_autocast_stand_in
-    with apply_domino(model, DominoConfig(chunks=4)):
-        model(**token_batch(options, 4))
-    calls = [call for linear in stand_in_linears(model) for call in linear.calls]
-    return len(entered), {call.in_fp8_context for call in calls}
+def _fp8_autocasts() -> dict:
+    """FP8 (delayed) under SP: per arm, the FP8 autocasts entered in one forward and
+    backward, the autocast (serial, depth) each TE linear call ran in, and TE's scale
+    updates."""
+    options = te_options(True, bf16=True, **FP8_DELAYED)
+    model = build_gpt_model(options, spec=te_spec(True))
+    batch = token_batch(options, 4)
+    found = {}
+    for arm, config in (("stock", None), ("domino", DominoConfig(chunks=4))):
+        with TECalls(model) as calls:
+            with apply_domino(model, config) if config else contextlib.nullcontext():
+                forward_backward(model, batch)
+            linears = [c for module in calls.take() for c in module if isinstance(c, LinearCall)]
+            found[arm] = dict(
+                autocasts=calls.autocasts,
+                contexts={(call.autocast, call.depth) for call in linears},
+                calls=len(linears),
+                updates=calls.scale_updates,
+            )
+    return found
 
 
 def test_fp8_context_wraps_all_chunks_once():
-    """One fp8_autocast per block forward around every chunk's TE calls, so TE reduces amaxes
-    and updates scales once per micro-batch, as the stock block does."""
-    entered, in_context = run_on_ranks(_fp8_context_use, 2)[0]
-    assert entered == 1
-    assert in_context == {True}
+    """One FP8 autocast (TE's own, entered by Megatron's ``get_fp8_context``) per block forward
+    around every chunk's TE calls, not one per chunk: TE's ``FP8GlobalStateManager`` saw one
+    ``autocast_enter``, every call of the 4 chunks ran inside it at depth 1, and TE reduced
+    amaxes and updated scales once forward and once backward per micro-batch, as for stock."""
+    found = run_on_ranks(_fp8_autocasts, 2, te=True)[0]
+    for arm, checked in found.items():
+        assert checked["autocasts"] == 1, (arm, checked)
+        assert checked["contexts"] == {(1, 1)}, (arm, checked)
+        assert checked["updates"] == {"forward": 1, "backward": 1}, (arm, checked)
+    # Per layer: QKV, proj, fc1, fc2, once per chunk under Domino.
+    assert found["domino"]["calls"] == 4 * found["stock"]["calls"] == 4 * 4 * LAYERS
 
 
-def _fused_norm_refusal() -> str:
-    model = build_gpt_model(_options(True), spec=stand_in_te_layer_spec())
-    with pytest.raises(DominoUnsupportedError) as error:
-        apply_domino(model, DominoConfig(chunks=2))
-    return str(error.value)
+#: ``id -> (sequence parallel, Domino settings, model config changes, expected message)``.
+REFUSALS = {
+    "column-chunks": (True, dict(chunks=2, column_chunks=2), {}, "--domino-column-chunks > 1 needs"),
+    "no-sp-backward-overlap": (False, dict(chunks=2), {}, "add --no-domino-backward-overlap"),
+    "fp8-tensorwise": (
+        True, dict(chunks=2), dict(fp8="hybrid", fp8_recipe="tensorwise"),
+        "--fp8-recipe tensorwise computes scales",
+    ),
+    "symmetric-ar": (True, dict(chunks=2), dict(symmetric_ar_type="two_shot"), "symmetric all-reduce"),
+    "ub": (True, dict(chunks=2), dict(tp_comm_overlap=True), "TE userbuffer overlap"),
+    "fused-norms-under-sp": (
+        True, dict(chunks=2), {}, "--spec megatron_domino.te_spec te_norms_apart_block_spec"
+    ),
+}  # fmt: skip
 
 
-def test_fused_norms_are_refused_under_sequence_parallelism():
-    """TE's fused norm + column linear under SP would make Domino gather the pre-norm residual
-    (the norm run tp times, the whole chunk kept for backward): refused, naming the spec that
-    builds the norms apart."""
-    message = run_on_ranks(_fused_norm_refusal, 2)[0]
-    assert "--spec megatron_domino.te_spec te_norms_apart_block_spec" in message, message
+def _refusals() -> dict:
+    """Each refusal's message, on a real TE model (the fused-norm case on Megatron's TE spec)."""
+    found = {}
+    for name, (sequence_parallel, settings, model_changes, _) in REFUSALS.items():
+        fused = True if name == "fused-norms-under-sp" else None
+        model = build_gpt_model(
+            te_options(sequence_parallel), spec=te_spec(sequence_parallel, fused_norms=fused)
+        )
+        for key, value in model_changes.items():
+            setattr(model.config, key, value)
+        with pytest.raises(DominoUnsupportedError) as error:
+            apply_domino(model, DominoConfig(**settings))
+        found[name] = str(error.value)
+    return found
 
 
-def _refusal(sequence_parallel: bool, settings: dict, model_changes: dict) -> str:
-    model = _build(_options(sequence_parallel))
-    for name, value in model_changes.items():
-        setattr(model.config, name, value)
-    with pytest.raises(DominoUnsupportedError) as error:
-        apply_domino(model, DominoConfig(**settings))
-    return str(error.value)
+@pytest.fixture(scope="module")
+def refusals() -> dict:
+    return run_on_ranks(_refusals, 2, te=True)[0]
 
 
-@pytest.mark.parametrize(
-    "sequence_parallel, settings, model_changes, expected",
-    [
-        (True, dict(chunks=2, column_chunks=2), {}, "--domino-column-chunks > 1 needs"),
-        (False, dict(chunks=2), {}, "add --no-domino-backward-overlap"),
-        (
-            True,
-            dict(chunks=2),
-            dict(fp8="hybrid", fp8_recipe="tensorwise"),
-            "--fp8-recipe tensorwise computes scales",
-        ),
-        (True, dict(chunks=2), dict(symmetric_ar_type="two_shot"), "symmetric all-reduce"),
-        (True, dict(chunks=2), dict(tp_comm_overlap=True), "TE userbuffer overlap"),
-    ],
-    ids=["column-chunks", "no-sp-backward-overlap", "fp8-tensorwise", "symmetric-ar", "ub"],
-)
-def test_refusals_name_the_problem_and_the_fix(
-    sequence_parallel, settings, model_changes, expected
-):
-    message = run_on_ranks(_refusal, 2, args=(sequence_parallel, settings, model_changes))[0]
-    assert expected in message, message
+@pytest.mark.parametrize("name", REFUSALS)
+def test_refusals_name_the_problem_and_the_fix(refusals, name):
+    """What TE cannot run under Domino is refused, naming the flag that fixes it; TE's fused
+    norm + column linear under SP would make Domino gather the pre-norm residual (the norm run
+    tp times, the whole chunk kept for backward), so it is refused naming the spec that builds
+    the norms apart."""
+    assert REFUSALS[name][-1] in refusals[name], refusals[name]
