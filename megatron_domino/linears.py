@@ -37,6 +37,7 @@ from megatron_domino.placeholder_grads import drop_placeholder_gradient
 from megatron_domino.recorder import CollectiveLabel, time_backward
 from megatron_domino.row_output import DeferredRow, PendingReduce, RowGemm, output_dtype_option
 from megatron_domino.saved_shards import keeping_input_shards
+from megatron_domino.te_fp8_inputs import fp8_grad_output_quantizer
 
 if TYPE_CHECKING:
     from megatron_domino.state import ChunkState, DominoRuntime
@@ -85,6 +86,8 @@ def row_projection(
             drop_placeholder_gradient(partial, module.weight)
         time_backward(partial, recorder, gemm, layer, chunk.index, piece)
         pending.launch(partial)
+    if scatter:
+        pending.grad_quantizer = fp8_grad_output_quantizer(module)
     return pending, returned_bias
 
 

@@ -120,12 +120,16 @@ class PendingReduce:
         bias: added after the reduction when the linear does not return its bias separately
             (``skip_bias_add=False``), as Megatron-Core does.
         scatter: reduce-scatter along the sequence instead of all-reducing.
+        grad_quantizer: under ``scatter``, the FP8 quantizer of a Transformer Engine row
+            linear's output gradient: the backward all-gather of that gradient then moves FP8
+            bits, as stock TE gathers it (:mod:`megatron_domino.te_fp8_inputs`).
     """
 
     group: dist.ProcessGroup
     label: CollectiveLabel
     bias: torch.Tensor | None = None
     scatter: bool = False
+    grad_quantizer: object = None
     _pieces: list[tuple[ForwardAllReduce | SequenceCollective, torch.Tensor]] = field(
         default_factory=list, init=False, repr=False
     )
@@ -163,7 +167,7 @@ class PendingReduce:
             if self.scatter:
                 # Piece 0's twin is the last of the pieces' to run in backward.
                 then = then_in_backward if index == 0 else None
-                outputs.append(wait_scatter(in_flight, slot, then))
+                outputs.append(wait_scatter(in_flight, slot, then, self.grad_quantizer))
             else:
                 slot.finish()
                 outputs.append(in_flight)

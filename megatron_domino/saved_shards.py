@@ -84,7 +84,9 @@ class SavedInputRegather(InFlight):
         quantizer=None,
     ):
         super().__init__(group, label)
-        self._shard = shard.detach()
+        # Under FP8 only the FP8 shard is kept: the bf16 one is the norm's, freed after the
+        # forward, as stock keeps only its 1-byte shard (TE ``module/linear.py:564-569``).
+        self._shard = shard.detach() if quantized is None else None
         self._quantized, self._quantizer = quantized, quantizer
         self._gathered: torch.Tensor | None = None
         self._parameter_shapes: set[tuple[int, ...]] = set()

@@ -55,7 +55,7 @@ from megatron_domino.recorder import CollectiveLabel
 from megatron_domino.saved_shards import SavedInputRegather
 from megatron_domino.sequence_parallel import launch_gather, wait_gather
 from megatron_domino.state import ChunkState, DominoRuntime
-from megatron_domino.te_fp8_inputs import fp8_input_quantizer, quantize_shard
+from megatron_domino.te_fp8_inputs import fp8_input_quantizer, quantized_norm_output
 
 Op = Callable[[ChunkState], None]
 
@@ -98,8 +98,9 @@ class LayerOps:
             self.previous.finish(chunk)
         if chunk.pending_embedding is not None:
             chunk.hidden, chunk.pending_embedding = chunk.pending_embedding.finish(), None
-        normed, chunk.residual = self._norm(self.layer.input_layernorm, chunk.hidden)
-        chunk.linear_input = self._prepare_column_input(normed, chunk, "attention")
+        norm, hidden = self.layer.input_layernorm, chunk.hidden
+        normed, chunk.residual = self._norm(norm, hidden)
+        chunk.linear_input = self._prepare_column_input(normed, chunk, "attention", norm, hidden)
 
     def attention_core(self, chunk: ChunkState) -> None:
         attention = self.layer.self_attention
@@ -114,9 +115,12 @@ class LayerOps:
         )
 
     def mlp_norm(self, chunk: ChunkState) -> None:
-        hidden = self._bias_dropout_add(self.layer.self_attn_bda, chunk)
-        normed, chunk.residual = self._norm(self.layer.pre_mlp_layernorm, hidden)
-        chunk.linear_input = self._prepare_column_input(normed, chunk, "mlp")
+        norm, hidden = (
+            self.layer.pre_mlp_layernorm,
+            self._bias_dropout_add(self.layer.self_attn_bda, chunk),
+        )
+        normed, chunk.residual = self._norm(norm, hidden)
+        chunk.linear_input = self._prepare_column_input(normed, chunk, "mlp", norm, hidden)
 
     def mlp_core(self, chunk: ChunkState) -> None:
         self._finish_gather(chunk)
@@ -161,15 +165,21 @@ class LayerOps:
             )
 
     def _prepare_column_input(
-        self, normed: torch.Tensor, chunk: ChunkState, sublayer: str
+        self,
+        normed: torch.Tensor,
+        chunk: ChunkState,
+        sublayer: str,
+        norm: torch.nn.Module,
+        hidden: torch.Tensor,
     ) -> torch.Tensor:
         """Ready the norm output ``[s or s/tp, b/p, h]`` for the next column-parallel linear.
 
         Under sequence parallelism: launch its all-gather (waited in the core op; in FP8 when
         the linear is Transformer Engine's under an FP8 autocast, as stock TE gathers it:
-        :mod:`megatron_domino.te_fp8_inputs`), and with autograd on, prepare the linear to keep
-        only this rank's shard (``normed``, or its FP8 cast) for backward. Otherwise, with
-        backward overlap: place the backward wait of the linear's dX all-reduce.
+        ``norm`` run again on ``hidden`` with the linear's input quantizer, its fp32 result
+        cast once, :mod:`megatron_domino.te_fp8_inputs`), and with autograd on, prepare the
+        linear to keep only this rank's shard (``normed``, or its FP8 cast) for backward.
+        Otherwise, with backward overlap: place the backward wait of the linear's dX all-reduce.
         """
         runtime = self.runtime
         grad = torch.is_grad_enabled() and normed.requires_grad
@@ -178,7 +188,9 @@ class LayerOps:
             chunk.gather_slot = SequenceCollective(runtime.tp_group, label)
             runtime.step.sequence_slots.append(chunk.gather_slot)
             quantizer = fp8_input_quantizer(self._column_linear(sublayer))
-            quantized = None if quantizer is None else quantize_shard(quantizer, normed)
+            quantized = (
+                None if quantizer is None else quantized_norm_output(norm, hidden, quantizer)
+            )
             if grad:
                 label = CollectiveLabel(
                     f"{sublayer}_regather", self.index, chunk.index, runtime.recorder

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_domino.collectives import SequenceCollective
+from megatron_domino.te_fp8_inputs import quantize_shard
 
 
 class _GatherLaunch(torch.autograd.Function):
@@ -86,22 +87,28 @@ class _ScatterLaunch(torch.autograd.Function):
 
 
 class _ScatterWait(torch.autograd.Function):
-    """Forward: wait for the reduce-scatter (``[s/tp, ...]``); backward: launch the dY gather,
-    then ``then`` (the re-gather of the chunk's column-linear input, if any)."""
+    """Forward: wait for the reduce-scatter (``[s/tp, ...]``); backward: launch the dY gather
+    (in FP8 with ``grad_quantizer`` when given), then ``then`` (the re-gather of the chunk's
+    column-linear input, if any)."""
 
     @staticmethod
-    def forward(ctx, in_flight: torch.Tensor, slot: SequenceCollective, then):
-        ctx.slot, ctx.then = slot, then
+    def forward(ctx, in_flight: torch.Tensor, slot: SequenceCollective, then, grad_quantizer):
+        ctx.slot, ctx.then, ctx.grad_quantizer = slot, then, grad_quantizer
         return slot.wait().view_as(in_flight)
 
     @staticmethod
     def backward(ctx, grad_shard: torch.Tensor):
         # The gathered gradient reaches _ScatterLaunch through the slot; autograd needs a
         # gradient of the shard's shape on this edge, which _ScatterLaunch ignores.
-        ctx.slot.all_gather(grad_shard, "bwd")
+        quantizer = ctx.grad_quantizer
+        if quantizer is None:
+            ctx.slot.all_gather(grad_shard, "bwd")
+        else:
+            quantized = quantize_shard(quantizer, grad_shard)
+            ctx.slot.all_gather_quantized(quantized, quantizer, "bwd")
         if ctx.then is not None:
             ctx.then()
-        return grad_shard, None, None
+        return grad_shard, None, None, None
 
 
 def launch_gather(shard, slot, quantized=None, quantizer=None):
@@ -121,7 +128,7 @@ def launch_scatter(partial, slot):
     return _ScatterLaunch.apply(partial, slot)
 
 
-def wait_scatter(in_flight, slot, then: Callable[[], None] | None = None):
+def wait_scatter(in_flight, slot, then: Callable[[], None] | None = None, grad_quantizer=None):
     """Next norm op: the reduced shard ``[s/tp, b/p, h/k]``; ``then`` runs in backward right
-    after the dY gather is launched."""
-    return _ScatterWait.apply(in_flight, slot, then)
+    after the dY gather is launched (an FP8 gather when ``grad_quantizer`` is given)."""
+    return _ScatterWait.apply(in_flight, slot, then, grad_quantizer)

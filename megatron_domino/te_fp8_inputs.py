@@ -1,16 +1,26 @@
-"""Under FP8, a Transformer Engine column linear's gathered input in FP8, as stock TE gathers it.
+"""Under FP8 and sequence parallelism, the TP gathers of Transformer Engine layers in FP8, as stock.
 
-Stock ``TEColumnParallelLinear`` under sequence parallelism casts this rank's norm output
-``[s/tp, b, h]`` to FP8 with its input quantizer, row-wise only, and all-gathers the FP8 bits
-(TE ``module/linear.py:342-372``, ``distributed.py:982-1073``): half the bytes of a bf16
-gather. Domino gathers that input itself, ahead of the call and behind another chunk's work
-(:mod:`megatron_domino.sequence_parallel`), so it casts the same way first:
-:func:`fp8_input_quantizer` finds the quantizer TE's call would use, :func:`quantized_gather`
-casts the shard and starts TE's own all-gather of its FP8 bits. The call then gets an FP8
-tensor ``[s, b/p, h]``, which TE uses as it is (``linear.py:384-386``), and saves as it is
-(the ``"inp"`` alias, ``linear.py:606-616``): :mod:`megatron_domino.saved_shards` keeps this
-rank's FP8 shard of it instead and gathers it again in backward, as stock keeps its FP8 shard
-(``linear.py:565-569``, ``928-955``).
+Forward: stock's fused ``TELayerNormColumnParallelLinear`` norms this rank's shard
+``[s/tp, b, h]`` and casts the norm's **fp32** result straight to FP8 with the linear's input
+quantizer (one rounding: TE ``module/layernorm_linear.py:233-253``, its fused norm kernel),
+then all-gathers the FP8 bits (``distributed.py:982-1073``): half the bytes of a bf16 gather.
+Domino gathers that input itself, ahead of the call and behind another chunk's work
+(:mod:`megatron_domino.sequence_parallel`), on the layer with its norms apart
+(:mod:`megatron_domino.te_spec`), so it casts the same way: :func:`fp8_input_quantizer` finds
+the quantizer TE's call would use, :func:`quantized_norm_output` runs TE's own norm op on the
+shard with that quantizer as its output quantizer (the fp32 result cast once, as the fused
+module does; the module's bf16 output carries the gradient), and :func:`quantized_gather`
+starts TE's own all-gather of its FP8 bits. The call then gets an FP8 tensor ``[s, b/p, h]``,
+which TE uses as it is (``linear.py:384-386``), and saves as it is (the ``"inp"`` alias,
+``linear.py:606-616``): :mod:`megatron_domino.saved_shards` keeps this rank's FP8 shard of it
+instead (and nothing of the bf16 one) and gathers it again in backward, as stock keeps its
+FP8 shard (``linear.py:565-569``, ``928-955``).
+
+Backward: stock's ``TERowParallelLinear`` casts its output gradient's shard to FP8 with its
+grad-output quantizer and all-gathers the FP8 bits (``module/base.py:1636, 1653-1684``).
+Domino gathers that gradient itself (the reduce-scatter's backward twin), so it casts it with
+the same quantizer first (:func:`fp8_grad_output_quantizer`) and hands TE's backward the
+gathered FP8 gradient, which TE uses as it is: the same bytes as stock in both directions.
 
 Two of the quantizer's settings change for the cast and the gather, and are restored after:
 ``internal`` off, so the cast makes a ``Float8Tensor`` (a tensor subclass autograd can carry
@@ -19,8 +29,8 @@ all-gather needs it. The scale is the delayed-scaling scale the call itself woul
 the same on every rank and every chunk of the micro-batch (Domino refuses the recipes that
 compute scales from each call's data, :func:`megatron_domino.refusals.te_problems`).
 
-What has run where: modelled on the CPU by the TE stand-ins (``tests/te_fp8_stand_in.py``),
-not run on Transformer Engine (no GPU with TE was available).
+What has run where: on TE 2.18's own Python over the test suite's CPU backend of its
+extension (``tests/te_cpu``: GEMMs, casts and norm kernels modelled in torch); not yet on a GPU.
 """
 
 from __future__ import annotations
@@ -31,7 +41,13 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["fp8_input_quantizer", "quantize_shard", "quantized_gather"]
+__all__ = [
+    "fp8_grad_output_quantizer",
+    "fp8_input_quantizer",
+    "quantize_shard",
+    "quantized_gather",
+    "quantized_norm_output",
+]
 
 
 def fp8_input_quantizer(module: torch.nn.Module):
@@ -52,6 +68,16 @@ def fp8_input_quantizer(module: torch.nn.Module):
     if not module.fp8:
         return None
     return module._get_quantizers(False, False, torch.is_grad_enabled())[0]
+
+
+def fp8_grad_output_quantizer(module: torch.nn.Module):
+    """The FP8 quantizer the backward of TE row linear ``module``'s last call casts its output
+    gradient with, or ``None`` (not a TE module, or that call was not in FP8): the last of
+    ``_get_quantizers`` (``module/linear.py:2024-2028``), asked with the module's own settings
+    (``parallel_mode="row"``, ``sequence_parallel=True``) as stock's call asks it."""
+    if not getattr(module, "fp8", False) or not hasattr(module, "_get_quantizers"):
+        return None
+    return module._get_quantizers(False, False, True)[5]
 
 
 @contextlib.contextmanager
@@ -78,6 +104,17 @@ def quantize_shard(quantizer, shard: torch.Tensor) -> torch.Tensor:
         return quantizer(shard)
 
 
+def quantized_norm_output(norm: torch.nn.Module, hidden: torch.Tensor, quantizer) -> torch.Tensor:
+    """TE norm ``norm`` (Megatron's ``TENorm``, a TE ops module) on ``hidden`` ``[s/tp, b/p, h]``,
+    its fp32 result cast to FP8 by ``quantizer`` in the norm kernel (one rounding, as the fused
+    module's norm): a row-wise ``Float8Tensor``, no autograd (the module's own call carries the
+    gradient)."""
+    from transformer_engine.pytorch.ops.op import OperationContext
+
+    with torch.no_grad(), _rowwise_tensors(quantizer):
+        return norm.op_forward(OperationContext(requires_grad=False), hidden, None, quantizer)
+
+
 def _te_gather_along_first_dim():
     """TE's FP8-aware all-gather (``transformer_engine.pytorch.distributed``)."""
     from transformer_engine.pytorch.distributed import gather_along_first_dim
@@ -85,8 +122,8 @@ def _te_gather_along_first_dim():
     return gather_along_first_dim
 
 
-#: TE's ``gather_along_first_dim``, imported on first use (TE needs CUDA); the CPU tests put
-#: their stand-in of it here.
+#: TE's ``gather_along_first_dim``, imported on first use (Domino imports no TE before a TE
+#: layer runs).
 gather_along_first_dim = None
 
 
