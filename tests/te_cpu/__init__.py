@@ -72,13 +72,22 @@ def _extension() -> types.ModuleType:
     module.get_cudnn_version = lambda: 91000
     module.get_cublasLt_version = lambda: 130000
     module.get_num_cublas_streams = lambda: 4
-    module.get_fused_attn_backend = lambda *args, **kwargs: (
-        enums.NVTE_Fused_Attn_Backend.NVTE_No_Backend
-    )
+    module.get_fused_attn_backend = _no_fused_attention
     module.__getattr__ = lambda name: (
         _unavailable(name) if not name.startswith("__") else _no_attribute(name)
     )
     return module
+
+
+def _no_fused_attention(*args, **kwargs):
+    """No cuDNN attention here, so TE picks its unfused attention (its own Python). TE 2.18 passes
+    the attention's parameters one by one and takes the backend; TE 2.20 passes one
+    ``FusedAttentionParams`` and takes ``(backend, why not)``."""
+    from te_cpu.enums import NVTE_Fused_Attn_Backend
+
+    if len(args) == 1 and not kwargs:
+        return NVTE_Fused_Attn_Backend.NVTE_No_Backend, "the CPU backend has no fused attention"
+    return NVTE_Fused_Attn_Backend.NVTE_No_Backend
 
 
 def _unavailable(name: str) -> type:

@@ -22,6 +22,7 @@ __all__ = [
     "FP8BwdTensors",
     "FP8FwdTensors",
     "FP8_MAX",
+    "NVTEQBHistogramMode",
     "NVTERoutingMapFormat",
     "NVTE_Bias_Type",
     "NVTE_Fused_Attn_Backend",
@@ -29,6 +30,7 @@ __all__ = [
     "NVTE_QKV_Format",
     "NVTE_QKV_Layout",
     "NVTE_Softmax_Type",
+    "NVTEScalingMode",
     "TORCH_DTYPE",
 ]
 
@@ -109,6 +111,17 @@ class CommOverlapAlgo(enum.IntEnum):
     ATOMIC_GEMM_AG_P2P = 6
     ATOMIC_GEMM_RS_P2P = 7
     EXTERNAL_BULK_OVERLAP_AG = 8
+
+
+class NVTEScalingMode(enum.IntEnum):
+    """``transformer_engine.h`` (read at import by TE 2.20's attention)."""
+
+    NVTE_DELAYED_TENSOR_SCALING = 0
+    NVTE_MXFP8_1D_SCALING = 1
+    NVTE_BLOCK_SCALING_1D = 2
+    NVTE_BLOCK_SCALING_2D = 3
+    NVTE_NVFP4_1D_SCALING = 4
+    NVTE_INVALID_SCALING = 100
 
 
 class NVTE_QKV_Layout(enum.IntEnum):  # noqa: N801 - the C name TE reads
@@ -199,3 +212,10 @@ class NVTERoutingMapFormat(enum.IntEnum):
 
     BYTEMAP = 0
     BITMAP_U8 = 1
+
+
+class NVTEQBHistogramMode(enum.IntEnum):
+    """``fused_router.h`` (MoE quantile balancing; read at import by TE 2.20)."""
+
+    TWO_KERNEL = 0
+    FUSED_ATOMIC = 1
