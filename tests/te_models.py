@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -212,3 +213,92 @@ def _fp8_metas(model: torch.nn.Module):
         for name, module in model.named_modules()
         if isinstance(getattr(module, "fp8_meta", None), dict)
     ]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightGradientGemm:
+    """One GEMM of TE's extension that wrote a weight's ``main_grad`` (fused weight-gradient
+    accumulation): the weight, the operands' and ``main_grad``'s dtypes, and whether it added
+    to ``main_grad`` (``accumulate``) or overwrote it."""
+
+    weight: str
+    operand_dtypes: tuple[torch.dtype, torch.dtype]
+    main_grad_dtype: torch.dtype
+    accumulate: bool
+
+
+@contextlib.contextmanager
+def main_grad_gemms(model: torch.nn.Module) -> Iterator[list[WeightGradientGemm]]:
+    """The GEMMs TE runs into the ``main_grad`` of ``model``'s weights while the context is
+    open (TE's ``general_gemm`` calls its extension's ``generic_gemm``, which is wrapped)."""
+    import transformer_engine_torch as tex
+
+    names = {
+        param.main_grad.data_ptr(): name.removeprefix("module.").removeprefix("module.")
+        for name, param in model.named_parameters()
+        if getattr(param, "main_grad", None) is not None
+    }
+    found: list[WeightGradientGemm] = []
+    generic_gemm = tex.generic_gemm
+    signature = inspect.signature(generic_gemm)
+
+    def recorded(*args, **kwargs):
+        call = signature.bind(*args, **kwargs).arguments
+        out = call["D"]
+        if out is not None and out.data_ptr() in names:
+            found.append(
+                WeightGradientGemm(
+                    names[out.data_ptr()],
+                    (call["A"].dtype, call["B"].dtype),
+                    out.dtype,
+                    call["accumulate"],
+                )
+            )
+        return generic_gemm(*args, **kwargs)
+
+    tex.generic_gemm = recorded
+    try:
+        yield found
+    finally:
+        tex.generic_gemm = generic_gemm
+
+
+@contextlib.contextmanager
+def megatron_optimizer_without_te_kernels() -> Iterator[None]:
+    """Megatron-Core's optimizer as it runs without TE or Apex, in a rank where TE is booted.
+
+    With TE importable, Megatron-Core 0.19 takes TE's ``FusedAdam`` and TE's multi-tensor
+    kernels (gradient norm, clipping, copies: ``megatron/core/optimizer/__init__.py``,
+    ``optimizer.py``, ``clip_grads.py``), which run on a GPU only (:mod:`te_cpu` refuses
+    them). For the context, those modules' names point at what they bind when neither TE nor
+    Apex imports: torch's ``AdamW`` and Megatron's own ``local_multi_tensor_*`` functions."""
+    from megatron.core import optimizer, utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    replacements = {
+        optimizer: dict(Adam=torch.optim.AdamW, SGD=torch.optim.SGD, USING_PYTORCH_OPTIMIZER=True),
+        clip_grads: dict(
+            multi_tensor_applier=utils.local_multi_tensor_applier,
+            l2_norm_impl=utils.local_multi_tensor_l2_norm,
+            multi_tensor_scale_impl=utils.local_multi_tensor_scale,
+            multi_tensor_scale_tensor_impl=None,
+        ),
+        megatron_optimizer: dict(
+            multi_tensor_applier=utils.local_multi_tensor_applier,
+            multi_tensor_scale_impl=utils.local_multi_tensor_scale,
+        ),
+    }
+    saved = {
+        module: {name: getattr(module, name) for name in names}
+        for module, names in replacements.items()
+    }
+    for module, names in replacements.items():
+        for name, value in names.items():
+            setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, names in saved.items():
+            for name, value in names.items():
+                setattr(module, name, value)

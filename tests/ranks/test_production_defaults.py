@@ -5,19 +5,23 @@ and, in large runs, the distributed optimizer; the other multi-rank tests turn m
 off. Here :data:`tiny_models.PRODUCTION_DEFAULTS` turns it back on: bf16, ``--sequence-parallel``,
 the bias-activation and bias-dropout-add fusions, the masked-softmax flag (at 16 tokens Megatron
 takes torch's softmax on any device), gradient-accumulation fusion into fp32 ``main_grad``
-(Megatron DDP with ``grad_reduce_in_fp32``, as Megatron-LM sets for bf16; the fused kernel is
-the CPU stand-in :mod:`fused_wgrad_stand_in`), the TE layer spec (stand-ins,
-:mod:`te_stand_in`) and the distributed optimizer (Adam, clipping on). Dropout stays off so
-stock and Domino draw nothing and differ only by rounding.
+(Megatron DDP with ``grad_reduce_in_fp32``, as Megatron-LM sets for bf16; Megatron's fused
+kernel is the CPU stand-in :mod:`fused_wgrad_stand_in`), Transformer Engine's layers (TE's own
+Python on the CPU, :mod:`te_cpu`; under SP the norms-apart spec Domino runs) and the
+distributed optimizer (Adam, clipping on; Megatron-Core's optimizer as it runs without TE's
+GPU-only fused Adam and multi-tensor kernels, :func:`te_models.megatron_optimizer_without_te_kernels`).
+Dropout stays off so stock and Domino draw nothing and differ only by rounding.
 
 * One micro-batch: stock's and Domino's gradients (``main_grad`` after Megatron's
   ``finalize_model_grads``) against an fp32 reference with the same weights, within
   :data:`megatron_domino.analysis.equivalence.BF16_BOUND` of stock's own error, tensor by tensor.
 * Three optimizer steps of each from the same weights and batches: losses and gradient norms.
-* Which weight-gradient path ran: with gradient-accumulation fusion, every linear's weight
-  gradient went through Megatron's fused weight-gradient GEMM with bf16 operands, the column
-  linears' once per chunk under Domino (:func:`test_domino_column_linears_use_megatrons_fused_wgrad`
-  checks Domino's own column-linear backward without sequence parallelism, local spec).
+* Which weight-gradient path ran: with gradient-accumulation fusion, every TE linear's weight
+  gradient went through TE's fused weight-gradient GEMM (bf16 operands into fp32
+  ``main_grad``, read from TE's extension, :func:`te_models.main_grad_gemms`), once per chunk
+  under Domino and always accumulating, and the output layer's through Megatron's fused
+  GEMM; without sequence parallelism on the local spec, Domino's own column-linear backward
+  uses Megatron's fused GEMM (:func:`test_domino_column_linears_use_megatrons_fused_wgrad`).
 
 Tolerances: bf16 bound as above; training ``rtol`` loss 5e-3, grad norm 2e-2 (as the bf16 case
 of ``test_domino_training.py``: every reordered bf16 sum rounds, 2**-8 = 4e-3 relative).
@@ -33,7 +37,7 @@ import torch
 import torch.distributed as dist
 from fused_wgrad_stand_in import installed
 from multiproc import run_on_ranks
-from te_stand_in import stand_in_te_norms_apart_layer_spec
+from te_models import main_grad_gemms, megatron_optimizer_without_te_kernels, te_spec
 from tiny_models import PRODUCTION_DEFAULTS, TINY
 
 from megatron_domino.analysis.equivalence import (
@@ -59,6 +63,8 @@ CHUNKS = 2
 STEPS = 3
 TRAIN_RTOL = {"loss": 5e-3, "grad_norm": 2e-2}
 OPTIONS = GPTOptions(num_layers=2, **PRODUCTION_DEFAULTS)
+#: The production defaults on Transformer Engine's layers (its own Python, :mod:`te_cpu`).
+TE_OPTIONS = dataclasses.replace(OPTIONS, transformer_impl="transformer_engine")
 
 
 # --- the fused weight-gradient call and its placeholder, without a process group -----------
@@ -283,7 +289,7 @@ def test_column_pieces_accumulate_into_main_grad_rows():
     assert found["domino-k2"]["placeholders"] == {name: [True] for name in rows}
 
 
-# --- the production defaults: TE stand-ins, SP, fusions, distributed optimizer --------------
+# --- the production defaults: Transformer Engine's layers, SP, fusions, distributed optimizer
 
 
 def _train(ddp, options: GPTOptions) -> list[dict]:
@@ -316,16 +322,18 @@ def _train(ddp, options: GPTOptions) -> list[dict]:
 
 
 def _production_defaults() -> dict:
-    spec = stand_in_te_norms_apart_layer_spec()  # the TE layer Domino runs under SP
-    with installed() as calls:
-        models = [build_gpt_model(OPTIONS, spec=spec) for _ in range(2)]
+    spec = te_spec(True)  # the TE layer Domino runs under SP
+    with installed() as calls, megatron_optimizer_without_te_kernels():
+        models = [build_gpt_model(TE_OPTIONS, spec=spec) for _ in range(2)]
         models[1].load_state_dict(models[0].state_dict())
-        reference = _fp32_reference(OPTIONS, models[0], spec)
+        reference = _fp32_reference(TE_OPTIONS, models[0], spec)
         stock, domino = (_wrap_ddp(m, distributed_optimizer=True) for m in models)
         handle = apply_domino(domino, DominoConfig(chunks=CHUNKS))
-        stock_grads = _micro_batch(stock, OPTIONS)
+        with main_grad_gemms(stock) as stock_gemms:
+            stock_grads = _micro_batch(stock, TE_OPTIONS)
         calls.clear()
-        domino_grads = _micro_batch(domino, OPTIONS)
+        with main_grad_gemms(domino) as domino_gemms:
+            domino_grads = _micro_batch(domino, TE_OPTIONS)
         step = handle.runtime.last_step
         found = dict(
             stock_errors=relative_errors(stock_grads, reference),
@@ -333,8 +341,9 @@ def _production_defaults() -> dict:
             left_pending=len(step.pending_forward) + len(step.pending_backward),
             domino_calls={(c.kernel, c.input_dtype, c.grad_dtype, c.main_grad_dtype) for c in calls},
             domino_call_count=len(calls),
-            stock_training=_train(stock, OPTIONS),
-            domino_training=_train(domino, OPTIONS),
+            te_gemms={"stock": stock_gemms, "domino": domino_gemms},
+            stock_training=_train(stock, TE_OPTIONS),
+            domino_training=_train(domino, TE_OPTIONS),
         )  # fmt: skip
     handle.revert()
     return found
@@ -342,13 +351,18 @@ def _production_defaults() -> dict:
 
 @pytest.fixture(scope="module")
 def production() -> dict:
-    return run_on_ranks(_production_defaults, 2, timeout_s=400)[0]
+    return run_on_ranks(_production_defaults, 2, timeout_s=400, te=True)[0]
 
 
+@pytest.mark.te
 def test_gradients_match_stock_under_production_defaults(production):
     """One micro-batch: Domino's gradients (after finalize_model_grads) are as close to fp32
-    as stock's, tensor by tensor; nothing left in flight; every weight gradient went through
-    the fused GEMM with bf16 operands into fp32 main_grad."""
+    as stock's, tensor by tensor; nothing left in flight. Every weight gradient was
+    accumulated straight into its fp32 main_grad from bf16 operands: the TE linears' (QKV,
+    proj, fc1, fc2) by TE's own fused weight-gradient GEMM, once per chunk under Domino and
+    always adding to main_grad (stock's first micro-batch overwrites it, Domino never passes
+    ``is_first_microbatch=True``), the output layer's (Megatron's linear) by Megatron's fused
+    GEMM, once."""
     assert production["left_pending"] == 0
     for arm in ("stock", "domino"):
         name, error = worst_gradient_error(production[f"{arm}_errors"])
@@ -357,12 +371,23 @@ def test_gradients_match_stock_under_production_defaults(production):
     assert not wrong, wrong[:3]
     bf16, fp32 = torch.bfloat16, torch.float32
     assert production["domino_calls"] == {("fp32", bf16, bf16, fp32)}
-    # Per layer and chunk: QKV, proj, fc1, fc2; plus the output layer (embedding) once.
-    assert production["domino_call_count"] == OPTIONS.num_layers * 4 * CHUNKS + 1
+    assert production["domino_call_count"] == 1  # the output layer (embedding weight)
+    linears = 4 * TE_OPTIONS.num_layers  # QKV, proj, fc1, fc2 per layer
+    for arm, overwrites, per_weight in (("stock", True, 1), ("domino", False, CHUNKS)):
+        gemms = production["te_gemms"][arm]
+        assert {(g.operand_dtypes, g.main_grad_dtype) for g in gemms} == {((bf16, bf16), fp32)}
+        assert {g.accumulate for g in gemms} == {not overwrites}, arm
+        weights = [g.weight for g in gemms]
+        assert len(weights) == linears * per_weight, (arm, weights)
+        assert all(weights.count(w) == per_weight for w in weights), (arm, weights)
 
 
+@pytest.mark.te
 def test_distributed_optimizer_steps_match_stock(production):
-    """Three Adam steps (distributed optimizer, clipping) from the same weights and batches."""
+    """Three Adam steps (distributed optimizer, clipping) from the same weights and batches.
+    Megatron-Core's optimizer runs as without TE (torch's AdamW, its own multi-tensor
+    functions: :func:`te_models.megatron_optimizer_without_te_kernels`), TE's fused Adam and
+    multi-tensor kernels being GPU-only; both arms run the same one."""
     stock, domino = production["stock_training"], production["domino_training"]
     print(f"stock {stock}\ndomino {domino}")
     for key, rtol in TRAIN_RTOL.items():
