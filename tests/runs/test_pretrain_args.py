@@ -2,8 +2,10 @@
 
 Megatron's own ``parse_args`` and ``validate_args`` run in-process on a faked command line
 (no process group), with the script's ``extra_args_provider``; then the checks the script adds
-after Megatron's validation (:func:`megatron_domino.training.pretrain._script_checks`). Last,
-a real launch with a refused flag combination: it fails before writing anything.
+after Megatron's validation (:func:`megatron_domino.training.pretrain._script_checks`). The
+spec check builds the parsed ``--spec``'s layer in a rank with Transformer Engine's own Python
+booted (``run_on_ranks(..., te=True)``; this process runs Megatron-Core without TE). Last, a
+real launch with a refused flag combination: it fails before writing anything.
 """
 
 import os
@@ -15,13 +17,11 @@ import pytest
 from launch import TINY_GPT, run_pretrain
 from megatron.core import utils as megatron_utils
 from megatron.core.extensions import transformer_engine as megatron_te
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.training import arguments as megatron_arguments
 from megatron.training.argument_utils import gpt_config_from_args
+from multiproc import run_on_ranks
 from packaging.version import Version
-from te_stand_in import StandInTEColumnParallelLinear, StandInTESpecProvider
 
-from megatron_domino import block_specs, te_spec
 from megatron_domino.autotune import AutoTuner, NoCandidateError
 from megatron_domino.config import DominoConfigError, DominoUnsupportedError
 from megatron_domino.training import pretrain as entry
@@ -328,28 +328,47 @@ def test_fused_te_norms_are_refused_under_sequence_parallelism_at_argument_time(
     checked(monkeypatch, *TE_DOMINO, "--no-domino-backward-overlap")
 
 
+def _layer_built_from(args) -> dict:
+    """In a rank with Transformer Engine booted: Megatron-LM's model config from ``args`` and
+    the first layer of the block its spec gives when called as ``GPTModelBuilder`` calls it
+    (one pipeline stage), by qualified name."""
+    model_config = gpt_config_from_args(args)
+    spec = model_config.transformer_layer_spec
+    block = spec(model_config, vp_stage=None)
+    layer = block.layer_specs[0].submodules
+
+    def name(obj) -> str:
+        return f"{obj.__module__}.{obj.__qualname__}"
+
+    return dict(
+        spec=name(spec),
+        layers=len(block.layer_specs),
+        norms=[name(layer.input_layernorm), name(layer.pre_mlp_layernorm)],
+        linear_qkv=name(layer.self_attention.submodules.linear_qkv),
+    )
+
+
+@pytest.mark.te
 def test_the_norms_apart_spec_builds_through_megatron_lm_model_config(monkeypatch):
     """Both entry points build the model from ``gpt_config_from_args`` (Megatron-LM
     ``core_r0.19``'s ``pretrain_gpt.py`` line 521, where the patch hooks in, and this script):
     ``--spec`` is imported as given, and ``GPTModelBuilder.build_model`` calls a callable spec
     with the config and ``vp_stage`` (``megatron/training/models/gpt.py:273-281``). So the
-    spec Domino needs under SP on TE works through the patched ``pretrain_gpt.py`` too: parsed,
-    it is the builder function, and called as the builder calls it (on the TE stand-ins'
-    backend; one stage, so the layer count is the config's) it gives TE's layer with its
-    norms apart."""
+    spec Domino needs under SP on TE works through the patched ``pretrain_gpt.py`` too: the
+    flags are parsed here, and in a rank with Transformer Engine's own Python booted (where
+    Megatron-Core builds TE's layers) the parsed spec is the builder function, and called as
+    the builder calls it (one stage, so the layer count is the config's) it gives TE's layer
+    with its norms apart: Megatron-Core's ``TENorm`` and ``TEColumnParallelLinear``."""
     _installed_te(monkeypatch, "2.18.0")
     args = checked(monkeypatch, *TE_DOMINO, "--sequence-parallel", *TE_NORMS_APART)
-    model_config = gpt_config_from_args(args)
-    assert model_config.transformer_layer_spec is te_spec.te_norms_apart_block_spec
-    monkeypatch.setattr(te_spec, "_te_backend", StandInTESpecProvider)
-    monkeypatch.setattr(
-        block_specs, "get_num_layers_to_build", lambda config, vp_stage: config.num_layers
+    built = run_on_ranks(_layer_built_from, 1, args=(args,), te=True)[0]
+    te = "megatron.core.extensions.transformer_engine"
+    assert built == dict(
+        spec="megatron_domino.te_spec.te_norms_apart_block_spec",
+        layers=args.num_layers,
+        norms=[f"{te}.TENorm"] * 2,
+        linear_qkv=f"{te}.TEColumnParallelLinear",
     )
-    block = model_config.transformer_layer_spec(model_config, vp_stage=None)
-    assert len(block.layer_specs) == args.num_layers
-    layer = block.layer_specs[0].submodules
-    assert layer.input_layernorm is not IdentityOp and layer.pre_mlp_layernorm is not IdentityOp
-    assert layer.self_attention.submodules.linear_qkv is StandInTEColumnParallelLinear
 
 
 @pytest.mark.parametrize(
