@@ -247,6 +247,7 @@ def config_problems(
             config,
             sequence_parallel=model_config.sequence_parallel,
             fp8_recipe=model_config.fp8_recipe if model_config.fp8 else None,
+            disable_parameter_transpose_cache=model_config.disable_parameter_transpose_cache,
         )
     elif model_config.fp8:
         problems.append(
@@ -305,7 +306,11 @@ def _sequence_split_config_problems(model_config) -> list[str]:
 
 
 def te_problems(
-    config: DominoConfig, *, sequence_parallel: bool, fp8_recipe: Fp8Recipe | str | None
+    config: DominoConfig,
+    *,
+    sequence_parallel: bool,
+    fp8_recipe: Fp8Recipe | str | None,
+    disable_parameter_transpose_cache: bool = False,
 ) -> list[str]:
     """Why Domino cannot run these settings on TE layers (empty when it can).
 
@@ -315,6 +320,7 @@ def te_problems(
         fp8_recipe: ``--fp8-recipe`` when FP8 is on (``--fp8-format`` given), else ``None``:
             its name, or Megatron-Core's ``Fp8Recipe`` member (a ``str`` enum, whose ``str()``
             on Python 3.12 is ``Fp8Recipe.delayed``, not the name).
+        disable_parameter_transpose_cache: ``--disable-parameter-transpose-cache``.
     """
     problems = []
     if config.column_chunks > 1:
@@ -338,6 +344,14 @@ def te_problems(
             "chunk would be quantized with a different scale than the whole micro-batch "
             "(not validated against stock Megatron); use --fp8-recipe delayed, whose scales "
             "come from the amax history and are updated once per micro-batch as in stock"
+        )
+    if recipe is not None and disable_parameter_transpose_cache:
+        problems.append(
+            "--disable-parameter-transpose-cache makes every TE call cast its weight to FP8 "
+            "afresh (TE caches no copy, module/linear.py), so each of Domino's chunks would "
+            f"cast every weight again: {config.chunks} casts per micro-batch where stock makes "
+            "one; drop --disable-parameter-transpose-cache (Domino then casts each weight once "
+            "per global batch, as stock)"
         )
     return problems
 

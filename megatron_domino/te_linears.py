@@ -45,10 +45,10 @@ TE 2.x leaves ``optimize_for_gemm`` set on a module's quantizers after a call wi
 collectives; it matters for block-scaled recipes (refused) in later stock calls (after
 ``revert``).
 
-What has run where: this module's logic is tested on the CPU against a stand-in that keeps
-TE's ``parallel_mode``/``sequence_parallel`` contract (``tests/te_stand_in.py``); with real TE
-it has **not** been run (no GPU with TE was available). ``tests/gpu/test_transformer_engine_gpu.py``
-runs the real thing where TE and two GPUs are.
+What has run where: on TE's own Python (2.18 and 2.20) over the test suite's CPU backend of
+its compiled extension (``tests/te_cpu``), against stock on the same weights; TE's kernels,
+cuDNN attention and NCCL only on a GPU (``tests/gpu/test_transformer_engine_gpu.py``, not yet
+run).
 """
 
 from __future__ import annotations
@@ -97,8 +97,10 @@ def _domino_call_settings(module: torch.nn.Module, *, own_collectives: bool) -> 
     global batch reuses, and every backward accumulates (DDP zeroes ``main_grad`` before each
     step, as Megatron's own ``disable_parameter_transpose_cache`` path relies on). One cast per
     weight per global batch, one cached copy, as stock. With
-    ``disable_parameter_transpose_cache`` (``None`` on every call, the user's choice) nothing
-    changes. With FP8 parameters (``--fp8-param-gather``) TE uses the parameter as it is.
+    ``disable_parameter_transpose_cache`` (``None`` on every call) each chunk's call would cast
+    afresh, p casts per micro-batch: refused under FP8
+    (:func:`megatron_domino.refusals.te_problems`), and without FP8 there is nothing to cast.
+    With FP8 parameters (``--fp8-param-gather``) TE uses the parameter as it is.
     """
     saved = module.parallel_mode, module.sequence_parallel
     if not own_collectives:

@@ -135,12 +135,14 @@ def self_attention_spec(backend, linear_qkv: type) -> ModuleSpec:
     )
 
 
-def te_norms_apart_layer_spec(backend=None) -> ModuleSpec:
+def te_norms_apart_layer_spec(backend=None, *, use_te_activation_func: bool = False) -> ModuleSpec:
     """The dense layer of Megatron-Core's TE spec, its two norms as modules of their own.
 
     Args:
-        backend: a Megatron-Core ``BackendSpecProvider`` (default: ``TESpecProvider``; the
-            tests pass the CPU stand-ins'). Its ``fuse_layernorm_and_linear`` is overridden.
+        backend: a Megatron-Core ``BackendSpecProvider`` (default: ``TESpecProvider``). Its
+            ``fuse_layernorm_and_linear`` is overridden.
+        use_te_activation_func: the MLP's activation as TE's op (``TransformerConfig.
+            use_te_activation_func``), as the stock TE spec builds it.
     """
     backend = backend or _te_backend()
     apart = copy.copy(backend)
@@ -157,7 +159,9 @@ def te_norms_apart_layer_spec(backend=None) -> ModuleSpec:
             self_attention=attention,
             self_attn_bda=get_bias_dropout_add,
             pre_mlp_layernorm=apart.layer_norm(),
-            mlp=get_mlp_module_spec_for_backend(backend=apart),
+            mlp=get_mlp_module_spec_for_backend(
+                backend=apart, use_te_activation_func=use_te_activation_func
+            ),
             mlp_bda=get_bias_dropout_add,
             sharded_state_dict_keys_map=dict(FUSED_KEYS),
         ),
@@ -168,8 +172,16 @@ def te_norms_apart_block_spec(config, vp_stage: int | None = None) -> Transforme
     """For ``--spec megatron_domino.te_spec te_norms_apart_block_spec``: this pipeline stage's
     block of :func:`te_norms_apart_layer_spec` layers and TE's final norm. Called as
     :mod:`megatron_domino.block_specs` says; raises ``ValueError`` for a layer feature this
-    dense spec does not build."""
+    dense spec does not build, or for TE's op-fused MLP (``use_transformer_engine_op_fuser``:
+    fc1, activation and fc2 as one fused op sequence, which Domino cannot split into its
+    per-chunk ops)."""
     transformer = config.transformer
+    refuse_features(
+        config,
+        (("use_transformer_engine_op_fuser", "use_transformer_engine_op_fuser"),),
+        "Domino runs fc1 and fc2 as ops of their own, so TE's op-fused MLP ({flags}) is "
+        "refused: turn {flags} off.",
+    )
     refuse_features(
         transformer,
         (
@@ -181,6 +193,7 @@ def te_norms_apart_block_spec(config, vp_stage: int | None = None) -> Transforme
         "only; drop {flags}.",
     )
     backend = _te_backend()
-    return stage_block(
-        te_norms_apart_layer_spec(backend), backend.layer_norm(), transformer, vp_stage
+    layer = te_norms_apart_layer_spec(
+        backend, use_te_activation_func=transformer.use_te_activation_func
     )
+    return stage_block(layer, backend.layer_norm(), transformer, vp_stage)

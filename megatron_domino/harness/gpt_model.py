@@ -62,7 +62,7 @@ _SAME_NAMED = """
     num_layers hidden_size num_attention_heads normalization add_bias_linear attention_dropout
     hidden_dropout init_method_std bf16 sequence_parallel recompute_granularity recompute_method
     recompute_num_layers fp8_recipe fp8_margin fp8_amax_history_len fp8_amax_compute_algo
-    gradient_accumulation_fusion
+    gradient_accumulation_fusion use_te_activation_func
 """.split()
 
 

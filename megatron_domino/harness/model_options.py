@@ -113,6 +113,9 @@ class GPTOptions:
     ``recompute_num_layers`` layers; ``block`` the first ``recompute_num_layers`` layers."""
     recompute_num_layers: int | None = None
     """``--recompute-num-layers`` (full)."""
+    use_te_activation_func: bool = False
+    """``TransformerConfig.use_te_activation_func``: the MLP's activation as Transformer
+    Engine's op (TE layers only; with a spec that builds it, e.g. ``te_spec``'s)."""
     fp8_format: Literal["e4m3", "hybrid"] | None = None
     """``--fp8-format``: run the TE linears' GEMMs in FP8 (``hybrid``: e4m3 forward, e5m2
     gradients); ``None`` is off. Needs ``transformer_engine``."""

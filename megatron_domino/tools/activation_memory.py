@@ -56,6 +56,7 @@ __all__ = [
     "MODEL",
     "Accounting",
     "Measurement",
+    "counting_weight_casts",
     "live_bytes",
     "main",
     "measure",
@@ -115,7 +116,7 @@ def live_bytes(run, exclude: list[torch.Tensor] = ()) -> tuple[int, object]:
 
 
 @contextlib.contextmanager
-def _counting_weight_casts(params: list[torch.Tensor]):
+def counting_weight_casts(params: list[torch.Tensor]):
     """``[count]`` of FP8 casts of any of ``params`` (Transformer Engine's ``quantize``
     called on a parameter) while entered; ``[0]`` where TE is not loaded."""
     count = [0]
@@ -191,7 +192,7 @@ def _account(gpt, batch: dict, *, fused_wgrad: bool) -> Accounting:
                 param.main_grad = torch.zeros_like(param, dtype=torch.float32)
                 param.grad_added_to_main_grad = False
         gpt.zero_grad(set_to_none=True)
-        with CollectiveBytes() as forward, _counting_weight_casts(params) as casts:
+        with CollectiveBytes() as forward, counting_weight_casts(params) as casts:
             alive, loss = live_bytes(lambda: gpt(**batch), params)
         with CollectiveBytes() as backward:
             loss.float().mean().backward()

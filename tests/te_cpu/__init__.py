@@ -19,7 +19,8 @@ here, using TE's own switches and nothing of its code:
 
 The backend is the extension's functions that a step of TE's ``Linear``,
 ``LayerNormLinear``, norms and unfused attention calls (:mod:`te_cpu.gemm`,
-:mod:`te_cpu.fp8`, :mod:`te_cpu.norms`, :mod:`te_cpu.softmax`), its enums (:mod:`te_cpu.enums`) and a few version
+:mod:`te_cpu.fp8`, :mod:`te_cpu.norms`, :mod:`te_cpu.softmax`, :mod:`te_cpu.activations`),
+its enums (:mod:`te_cpu.enums`) and a few version
 queries. Every other name TE binds at import is a placeholder class that raises, naming the
 function, when TE calls it: what a GPU alone runs (fused attention, userbuffers, MXFP8/NVFP4,
 the multi-tensor optimizer kernels) is never modelled silently. TE is booted only in the
@@ -63,10 +64,10 @@ class _Unavailable:
 
 
 def _extension() -> types.ModuleType:
-    from te_cpu import enums, fp8, gemm, norms, softmax
+    from te_cpu import activations, enums, fp8, gemm, norms, softmax
 
     module = types.ModuleType(_MODULE, __doc__)
-    for source in (enums, fp8, gemm, norms, softmax):
+    for source in (activations, enums, fp8, gemm, norms, softmax):
         for name in source.__all__:
             setattr(module, name, getattr(source, name))
     module.get_cudnn_version = lambda: 91000

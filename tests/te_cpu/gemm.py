@@ -110,9 +110,14 @@ def generic_gemm(
         bias_grad = b.sum(0).to(bias.dtype)
     elif bias is not None:
         result = result + bias.float()
+    if accumulate and not _is_fp8(D):
+        # In place, as cuBLAS writes D (a sum into main_grad allocates nothing).
+        if beta is not None and beta != 1.0:
+            D.mul_(beta)
+        D.add_(result.reshape(D.shape))
+        return [D, bias_grad, None, extra_output]
     if accumulate:
-        existing = D.float() if not _is_fp8(D) else fp8.values(D)
-        result = result + (1.0 if beta is None else beta) * existing.reshape(result.shape)
+        result = result + (1.0 if beta is None else beta) * fp8.values(D).reshape(result.shape)
     result = result.reshape(out_shape)
 
     dtype = (
