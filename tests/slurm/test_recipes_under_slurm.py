@@ -22,8 +22,9 @@ import pytest
 from conftest import NODE_GPUS
 
 #: What every training job here runs: TP = 2 on two of the node's GPUs, as CPU ranks. Long
-#: enough (about 30 s of training here) that a signal lands while it trains.
-TRAIN_ITERS = 300
+#: enough (about 50 s of training here, 0.1 s per iteration) that the time-limit signal, which
+#: Slurm sends at its next check, up to 30 s after the limit is cut, lands while it trains.
+TRAIN_ITERS = 500
 KNOBS = {
     "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     "CPU": "1",
@@ -241,7 +242,7 @@ def _seconds(run_time: str) -> int:
 
 def test_the_time_limit_signal_saves_requeues_and_resumes(slurm, tmp_path, ab_srun):
     """torchrun style, a real time limit: submitted with --time=30 --signal=TERM@150; once it
-    trains, its limit is cut (scontrol update TimeLimit) to 2-3 minutes from now, so Slurm
+    trains (its first iteration logged: the ranks' signal handler is in place), its limit is cut (scontrol update TimeLimit) to 2-3 minutes from now, so Slurm
     itself sends the signal at its next time-limit check (every 30 s, up to 30 s early) and
     the kill is still 90 s or more away. Torchrun passes the signal to its ranks, they save,
     the script requeues the job (with its limit back at 30 minutes, so the restart runs to
@@ -249,7 +250,7 @@ def test_the_time_limit_signal_saves_requeues_and_resumes(slurm, tmp_path, ab_sr
     cut = []
 
     def cut_the_time_limit(job_id, info):
-        if not cut and info["JobState"] == "RUNNING" and _trained_iterations(tmp_path) >= 10:
+        if not cut and info["JobState"] == "RUNNING" and _trained_iterations(tmp_path) >= 1:
             minutes = math.ceil(_seconds(info["RunTime"]) / 60) + 2
             cut.append(minutes)
             slurm.scontrol("update", f"JobId={job_id}", f"TimeLimit={minutes}")
