@@ -189,7 +189,9 @@ class LayerOps:
             runtime.step.sequence_slots.append(chunk.gather_slot)
             quantizer = fp8_input_quantizer(self._column_linear(sublayer))
             quantized = (
-                None if quantizer is None else quantized_norm_output(norm, hidden, quantizer)
+                None
+                if quantizer is None
+                else quantized_norm_output(norm, hidden, quantizer, runtime.tp_group)
             )
             if grad:
                 label = CollectiveLabel(

@@ -104,7 +104,7 @@ class _ScatterWait(torch.autograd.Function):
         if quantizer is None:
             ctx.slot.all_gather(grad_shard, "bwd")
         else:
-            quantized = quantize_shard(quantizer, grad_shard)
+            quantized = quantize_shard(quantizer, grad_shard, ctx.slot.group)
             ctx.slot.all_gather_quantized(quantized, quantizer, "bwd")
         if ctx.then is not None:
             ctx.then()

@@ -22,12 +22,13 @@ Domino gathers that gradient itself (the reduce-scatter's backward twin), so it 
 the same quantizer first (:func:`fp8_grad_output_quantizer`) and hands TE's backward the
 gathered FP8 gradient, which TE uses as it is: the same bytes as stock in both directions.
 
-Two of the quantizer's settings change for the cast and the gather, and are restored after:
-``internal`` off, so the cast makes a ``Float8Tensor`` (a tensor subclass autograd can carry
-into the linear's call) instead of a ``Float8TensorStorage``; usage row-wise only, as TE's own
-all-gather needs it. The scale is the delayed-scaling scale the call itself would use: it is
-the same on every rank and every chunk of the micro-batch (Domino refuses the recipes that
-compute scales from each call's data, :func:`megatron_domino.refusals.te_problems`).
+The quantizer's settings change for the cast and the gather, and are restored after
+(:func:`_gathered_cast`). Under delayed scaling the scale is the one the call itself would use,
+the same on every rank and every chunk of the micro-batch. Under current scaling
+(``--fp8-recipe tensorwise``) each cast takes the amax of what it casts, reduced over the TP
+group as stock's SP gathers reduce it: so each **chunk** is cast with its own scale (the
+chunk's amax over all ranks), where stock casts the whole micro-batch with one; that is the one
+numerical difference from stock, held to stock's own FP8 error by the tests.
 
 What has run where: on TE 2.18's own Python over the test suite's CPU backend of its
 extension (``tests/te_cpu``: GEMMs, casts and norm kernels modelled in torch); not yet on a GPU.
@@ -81,37 +82,48 @@ def fp8_grad_output_quantizer(module: torch.nn.Module):
 
 
 @contextlib.contextmanager
-def _rowwise_tensors(quantizer) -> Iterator[None]:
-    """``quantizer`` makes row-wise ``Float8Tensor`` s inside; its settings are restored after."""
-    internal, rowwise, columnwise = (
-        quantizer.internal,
-        quantizer.rowwise_usage,
-        quantizer.columnwise_usage,
-    )
+def _gathered_cast(quantizer, group: dist.ProcessGroup | None = None) -> Iterator[None]:
+    """Inside, ``quantizer`` casts a shard that is then gathered, as TE's own SP gathers set it
+    up (its settings restored after): row-wise ``Float8Tensor`` s (``internal`` off, so autograd
+    can carry them; row-wise only, as TE's all-gather needs), and for a current-scaling
+    quantizer, given the TP ``group``, the amax reduced over it (TE's
+    ``set_quantizer_amax_reduction_group`` for a column linear's input or a row linear's output
+    gradient under SP): every rank casts its shard with one scale, so the gathered tensor has
+    one. Delayed scaling's scale is the same on every rank already."""
+    saved = quantizer.internal, quantizer.rowwise_usage, quantizer.columnwise_usage
+    reduces = group is not None and hasattr(quantizer, "with_amax_reduction")
+    if reduces:
+        reduction = quantizer.with_amax_reduction, quantizer.amax_reduction_group
+        quantizer.with_amax_reduction, quantizer.amax_reduction_group = True, group
     quantizer.internal = False
     quantizer.set_usage(rowwise=True, columnwise=False)
     try:
         yield
     finally:
-        quantizer.internal = internal
-        quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
+        quantizer.internal = saved[0]
+        quantizer.set_usage(rowwise=saved[1], columnwise=saved[2])
+        if reduces:
+            quantizer.with_amax_reduction, quantizer.amax_reduction_group = reduction
 
 
-def quantize_shard(quantizer, shard: torch.Tensor) -> torch.Tensor:
-    """``shard`` ``[s/tp, b/p, h]`` cast to FP8 row-wise, as a ``Float8Tensor`` (no autograd:
-    the gradient reaches ``shard`` through Domino's gather nodes)."""
-    with torch.no_grad(), _rowwise_tensors(quantizer):
+def quantize_shard(quantizer, shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``shard`` ``[s/tp, b/p, h]`` cast to FP8 row-wise for a gather over ``group``, as a
+    ``Float8Tensor`` (no autograd: the gradient reaches ``shard`` through Domino's gather
+    nodes)."""
+    with torch.no_grad(), _gathered_cast(quantizer, group):
         return quantizer(shard)
 
 
-def quantized_norm_output(norm: torch.nn.Module, hidden: torch.Tensor, quantizer) -> torch.Tensor:
+def quantized_norm_output(
+    norm: torch.nn.Module, hidden: torch.Tensor, quantizer, group: dist.ProcessGroup
+) -> torch.Tensor:
     """TE norm ``norm`` (Megatron's ``TENorm``, a TE ops module) on ``hidden`` ``[s/tp, b/p, h]``,
     its fp32 result cast to FP8 by ``quantizer`` in the norm kernel (one rounding, as the fused
-    module's norm): a row-wise ``Float8Tensor``, no autograd (the module's own call carries the
-    gradient)."""
+    module's norm), for a gather over ``group``: a row-wise ``Float8Tensor``, no autograd (the
+    module's own call carries the gradient)."""
     from transformer_engine.pytorch.ops.op import OperationContext
 
-    with torch.no_grad(), _rowwise_tensors(quantizer):
+    with torch.no_grad(), _gathered_cast(quantizer, group):
         return norm.op_forward(OperationContext(requires_grad=False), hidden, None, quantizer)
 
 
@@ -133,7 +145,7 @@ def quantized_gather(quantized: torch.Tensor, quantizer, group: dist.ProcessGrou
     global gather_along_first_dim
     if gather_along_first_dim is None:
         gather_along_first_dim = _te_gather_along_first_dim()
-    with _rowwise_tensors(quantizer):
+    with _gathered_cast(quantizer):
         output, handle = gather_along_first_dim(
             quantized, group, async_op=True, quantizer=quantizer
         )

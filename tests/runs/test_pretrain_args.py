@@ -99,7 +99,7 @@ def checked(
         (
             [*TE_DOMINO, "--sequence-parallel", "--fp8-format", "hybrid", "--fp8-recipe", "mxfp8"],
             DominoUnsupportedError,
-            "--fp8-recipe mxfp8 computes scales",
+            "--fp8-recipe mxfp8 runs on Blackwell GPUs only",
         ),
         (
             [*TP2_DOMINO, "--fp8-format", "hybrid"],
@@ -186,6 +186,16 @@ def test_supported_combinations_pass(monkeypatch):
         # Megatron-LM's defaults for its largest models: TE layers, SP, micro-batch 1.
         [*TE_DOMINO, *SEQUENCE_SPLIT_MB1, "--sequence-parallel", *TE_NORMS_APART],
         [*TE_DOMINO, "--sequence-parallel", "--fp8-format", "hybrid", *TE_NORMS_APART],
+        # Current scaling, as H100 recipes run it (tests/ranks/test_te_fp8_recipes.py).
+        [
+            *TE_DOMINO,
+            "--sequence-parallel",
+            "--fp8-format",
+            "hybrid",
+            "--fp8-recipe",
+            "tensorwise",
+            *TE_NORMS_APART,
+        ],
         [*TP2_DOMINO, "--recompute-activations", "--domino-report"],
     ):
         args = checked(monkeypatch, *extra)
