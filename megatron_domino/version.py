@@ -43,9 +43,14 @@ LAST_COMMIT_FOR_MEGATRON_CORE_0_16 = "53915d8"
 #: mask types, all read from TE v2.18's source (unchanged at 2.20's development head; the
 #: project's notes, ``../shared/docs/te-contract.md`` beside the checkout). Older TE saves and
 #: caches differently (1.x saves FP8 weights as ``Float8Tensor``), which the saved-shard pack
-#: hook and the FP8 weight-cache handling were not written against. No TE has run Domino's CPU suite (TE needs
-#: CUDA); the GPU check (``megatron-domino-gpu-check``) runs it on real TE.
+#: hook and the FP8 weight-cache handling were not written against.
 TE_MIN_VERSION = Version("2.18.0")
+#: The Transformer Engine releases Domino's TE tests passed on, TE's own Python over the CPU
+#: backend of its extension (``tests/te_cpu``): 2.18.0 in ``make test``, 2.20.2 in ``make
+#: test-te TE=2.20.2`` (2026-12-03). ``pyproject.toml``'s ``gpu`` extra declares this range
+#: (``tests/runs/test_version.py`` keeps them equal); kernels, cuDNN attention and NCCL are a
+#: GPU's to decide (``megatron-domino-gpu-check``).
+TESTED_TRANSFORMER_ENGINE = SpecifierSet(f">={TE_MIN_VERSION},<2.21")
 
 
 #: Set to 1 to run on a Megatron-Core newer than :data:`TESTED_MEGATRON_CORE` anyway (e.g. a
