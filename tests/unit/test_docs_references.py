@@ -14,7 +14,7 @@ keep the old name until a reader follows it into nothing. This test follows ever
   (``saved_shards.SavedInputRegather``, ``DominoConfig.chunks``), or whose last part is a
   name the project defines (``integration.fsdp_problems``, after ``integration`` was gone);
 * file paths under this checkout's top-level folders (``megatron_domino/harness/patch.py``,
-  ``tests/te_stand_in.py``, ``docs/cpu.md``, ``scripts/gpu_check.sh``) from the repository's
+  ``tests/te_models.py``, ``docs/cpu.md``, ``scripts/gpu_check.sh``) from the repository's
   root or the citing file's folder, and ``../shared/...`` where the checkout has that folder;
 * the README flag table's ``field`` column against :class:`~megatron_domino.config.DominoConfig`.
 
