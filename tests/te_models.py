@@ -16,9 +16,10 @@ Everything here runs in ranks with TE's own Python booted (``run_on_ranks(..., t
   ``is_first_microbatch`` argument, the attention mask type and shapes, and which FP8 autocast
   the call ran in (TE's ``FP8GlobalStateManager``: its depth, and a serial number per
   ``autocast_enter``). It also counts TE's delayed-scaling updates (forward and backward).
-* :func:`fp8_meta_state` and :func:`fp8_start_fixed`: every TE module's delayed-scaling state
-  (``fp8_meta["scaling_fwd"|"scaling_bwd"]``' ``scale`` and ``amax_history``), and a context in
-  which every forward of a model starts from the same state, so two FP8 steps compare.
+* :func:`fp8_meta_state`, :func:`load_fp8_meta_state` and :func:`fp8_start_fixed`: every TE
+  module's delayed-scaling state (``fp8_meta["scaling_fwd"|"scaling_bwd"]``' ``scale`` and
+  ``amax_history``), copied out or in by module name, and a context in which every forward of
+  a model starts from the same state, so two FP8 steps compare.
 """
 
 from __future__ import annotations
@@ -192,19 +193,21 @@ def fp8_start_fixed(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]
     updates scales and amax histories at every step, so without this two runs of the same
     step differ. Yields that state."""
     start = fp8_meta_state(model)
-    by_name = dict(_fp8_metas(model))
-
-    def restore(*_) -> None:
-        for key, value in start.items():
-            name, field = key.split(":")
-            scaling, attribute = field.split(".")
-            getattr(by_name[name][scaling], attribute).copy_(value)
-
-    handle = model.register_forward_pre_hook(restore)
+    handle = model.register_forward_pre_hook(lambda *_: load_fp8_meta_state(model, start))
     try:
         yield start
     finally:
         handle.remove()
+
+
+def load_fp8_meta_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy :func:`fp8_meta_state`'s ``state`` into ``model``'s TE modules, in place (TE's
+    global amax buffers hold views of these tensors)."""
+    metas = dict(_fp8_metas(model))
+    for key, value in state.items():
+        name, field = key.split(":")
+        scaling, attribute = field.split(".")
+        getattr(metas[name][scaling], attribute).copy_(value)
 
 
 def _fp8_metas(model: torch.nn.Module):
