@@ -20,6 +20,10 @@ Everything here runs in ranks with TE's own Python booted (``run_on_ranks(..., t
   module's delayed-scaling state (``fp8_meta["scaling_fwd"|"scaling_bwd"]``' ``scale`` and
   ``amax_history``), copied out or in by module name, and a context in which every forward of
   a model starts from the same state, so two FP8 steps compare.
+* :func:`main_grad_gemms`: the GEMMs of TE's extension that wrote a weight's ``main_grad``
+  (fused weight-gradient accumulation), with their dtypes and whether they accumulated.
+* :func:`megatron_optimizer_without_te_kernels`: Megatron-Core's optimizer as it runs without
+  TE, where TE's fused Adam and multi-tensor kernels (GPU-only) would otherwise be taken.
 """
 
 from __future__ import annotations
@@ -111,7 +115,7 @@ class TECalls:
         import transformer_engine.pytorch as te
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-        state = FP8GlobalStateManager.quantization_state
+        self._state = FP8GlobalStateManager.quantization_state
         for cls in self._classes:
             forward = cls.__dict__["forward"]
             describe = _attention_call if cls is te.DotProductAttention else self._linear_call
@@ -127,7 +131,6 @@ class TECalls:
             self.scale_updates["forward" if forward else "backward"] += 1
             return update(forward)
 
-        self._state = state
         self._replace(FP8GlobalStateManager, "autocast_enter", classmethod(autocast_enter))
         self._replace(
             FP8GlobalStateManager, "reduce_and_update_fp8_tensors", classmethod(reduce_and_update)
