@@ -33,7 +33,9 @@ attention for ``sq != sk`` depends on the implementation:
   rows, ``None`` when it passed none: no mask is built for TE). TE's flash, cuDNN and unfused
   backends implement the bottom-right type; TE picks one per call from the shapes and mask
   type (the chunks' differing shapes can make it redo that selection on every call: host
-  time). Not yet run on real TE (``tests/gpu/test_transformer_engine_gpu.py`` has the case).
+  time). Run on TE's own Python with its unfused backend on the CPU
+  (``tests/ranks/test_te_sequence_split.py``); TE's flash and cuDNN backends need a GPU
+  (``tests/gpu/test_transformer_engine_gpu.py`` has the case).
 
 Only the attention arithmetic's order changes: a query's softmax runs over the same unmasked
 keys as in the unsplit layer (the keys it drops are the masked future ones).
