@@ -332,9 +332,14 @@ def test_fp8_context_wraps_all_chunks_once():
 REFUSALS = {
     "column-chunks": (True, dict(chunks=2, column_chunks=2), {}, "--domino-column-chunks > 1 needs"),
     "no-sp-backward-overlap": (False, dict(chunks=2), {}, "add --no-domino-backward-overlap"),
-    "fp8-tensorwise": (
-        True, dict(chunks=2), dict(fp8="hybrid", fp8_recipe="tensorwise"),
-        "--fp8-recipe tensorwise computes scales",
+    "fp8-mxfp8": (
+        True, dict(chunks=2), dict(fp8="hybrid", fp8_recipe="mxfp8"),
+        "--fp8-recipe mxfp8 runs on Blackwell GPUs only",
+    ),
+    "fp8-no-weight-cache": (
+        True, dict(chunks=2),
+        dict(fp8="hybrid", fp8_recipe="delayed", disable_parameter_transpose_cache=True),
+        "drop --disable-parameter-transpose-cache",
     ),
     "symmetric-ar": (True, dict(chunks=2), dict(symmetric_ar_type="two_shot"), "symmetric all-reduce"),
     "ub": (True, dict(chunks=2), dict(tp_comm_overlap=True), "TE userbuffer overlap"),
