@@ -12,8 +12,9 @@
 # requeues itself (up to MAX_REQUEUES=3 times; same job id, so the same RUN_DIR) and
 # resumes from the latest complete checkpoint in CHECKPOINT_DIR (default RUN_DIR/checkpoints,
 # every SAVE_INTERVAL=1000 iterations; CHECKPOINT_DIR= turns checkpoints and restarts off).
-# Not requeued: a refused command line (exit status 2, kept) or a failure before anything new
-# was saved, which a retry would repeat (recipe_requeue_unfinished in lib/common.sh).
+# Not requeued: a refused command line (the job fails with its exit status 2) or a failure
+# before anything new was saved, which a retry would repeat (recipe_requeue_unfinished in
+# lib/common.sh).
 #
 # Knobs (MODEL, TP, MICRO_BATCH_SIZE, DOMINO, ...) are environment variables: see
 # examples/README.md. Add --partition/--account on the sbatch command line.

@@ -15,9 +15,9 @@
 # job requeues itself (up to MAX_REQUEUES=3 times; same job id, so the same RUN_DIR). Every
 # restart resumes from the latest complete checkpoint in CHECKPOINT_DIR (default
 # RUN_DIR/checkpoints, every SAVE_INTERVAL=1000 iterations; CHECKPOINT_DIR= turns
-# checkpoints and restarts off). Not requeued: a refused command line or a failure before
-# anything new was saved, which a retry would repeat (recipe_requeue_unfinished in
-# lib/common.sh; torchrun reports its ranks' failures, status 2 included, as 1).
+# checkpoints and restarts off). Not requeued: a refused command line (the job fails with
+# its exit status 2) or a failure before anything new was saved, which a retry would repeat
+# (recipe_requeue_unfinished in lib/common.sh).
 #
 # Knobs (MODEL, TP, MICRO_BATCH_SIZE, DOMINO, ...) are environment variables: see
 # examples/README.md. Add --partition/--account on the sbatch command line.

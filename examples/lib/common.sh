@@ -525,30 +525,44 @@ recipe_checkpointed_iteration() {
     echo "${reached:-0}"
 }
 
+# recipe_refused: whether this attempt's run refused its command line or input, i.e. the
+# entry point's one line on rank 0 ("pretrain_gpt_domino.py: error: ...", argparse's too) is
+# in the part of RECIPE_LOG that recipe_run wrote this time. Its exit status 2 does not always
+# reach the script: srun reports the highest status of its tasks, and a rank that srun
+# killed (--kill-on-bad-exit) after another refused is 143; torchrun reports any failure as 1.
+recipe_refused() {
+    [[ -n ${RECIPE_LOG:-} && -f $RECIPE_LOG ]] || return 1
+    # grep -c reads to the end: with grep -q, tail would die of SIGPIPE on a long log, and
+    # pipefail would turn the match into a failure.
+    local refusals
+    refusals=$(tail -c +"$((${RECIPE_LOG_START:-0} + 1))" "$RECIPE_LOG" |
+        grep -c '^pretrain_gpt_domino.py: error: ') || true
+    ((refusals > 0))
+}
+
 # recipe_requeue_unfinished STATUS: after a run that ended with STATUS, put this SLURM job back
 # in the queue if training stopped before TRAIN_ITERS for a reason a retry can get past, so
 # that it resumes from the latest checkpoint on its own. A requeued job keeps its id, so
 # RUN_DIR and CHECKPOINT_DIR stay the same; at most MAX_REQUEUES times (SLURM_RESTART_COUNT
 # counts them). Megatron-LM saves when training ends, so a tracker at TRAIN_ITERS means done.
-# Requeued:
-#   status 0      the ranks saved and exited on a signal (--exit-signal-handler): SLURM's
-#                 --signal before the time limit, or an scancel --signal=TERM;
-#   status >= 128 a rank was killed by a signal (a node lost, the OOM killer, a time limit);
-#   other status  a rank failed after a new checkpoint was saved in this attempt (the retry
-#                 starts past it; torchrun reports every failure of its ranks as 1).
-# Not requeued: status 2, a command line or input the script refused (it would be refused
-# again, every MAX_REQUEUES times), and a failure with no new checkpoint in this attempt
-# (it would fail the same way). Returns STATUS, or 1 for a stop before the end that is not
-# requeued.
+# Requeued: status 0 (the ranks saved and exited early: on a signal, --exit-signal-handler,
+# from SLURM's --signal before the time limit or an scancel --signal=TERM; or on
+# --exit-duration-in-mins), and any failure after this attempt saved a newer checkpoint (the
+# retry starts past the point where it failed). Not requeued: a refused command line or input
+# (recipe_refused; the script then exits with the entry point's status 2), and a failure
+# before a newer checkpoint, which a retry would repeat (a node lost or a preemption SLURM
+# requeues by itself, #SBATCH --requeue). Returns STATUS (2 when refused), or 1 for a stop
+# before the end that is not requeued.
 recipe_requeue_unfinished() {
     local status=$1 requeues=${SLURM_RESTART_COUNT:-0} reached why
     ((DRY_RUN)) && return 0
     reached=$(recipe_checkpointed_iteration)
     [[ $reached == "$TRAIN_ITERS" ]] && return "$status"
     local stopped="# training stopped at iteration $reached of $TRAIN_ITERS (status $status)"
-    if ((status == 2)); then
+    if ((status == 2)) || { ((status)) && recipe_refused; }; then
+        status=2
         why="the command line or an input was refused; fix it and submit again"
-    elif ((status != 0 && status < 128 && reached <= ${RECIPE_LAUNCHED_AT:-0})); then
+    elif ((status && reached <= ${RECIPE_LAUNCHED_AT:-0})); then
         why="it failed before saving a newer checkpoint than the ${RECIPE_LAUNCHED_AT:-0} it \
 started from, and would fail the same way"
     elif [[ -z ${SLURM_JOB_ID:-} || -z ${CHECKPOINT_DIR:-} ]]; then
@@ -574,8 +588,11 @@ recipe_run() {
         return 0
     fi
     mkdir -p "$RECIPE_RUN_DIR" "$(dirname "$log")"
-    # Where this attempt starts: recipe_requeue_unfinished asks whether it saved anything new.
+    # Where this attempt starts, in the checkpoints and in the log: recipe_requeue_unfinished
+    # asks whether it saved anything new, and recipe_refused reads only this attempt's output.
     RECIPE_LAUNCHED_AT=$(recipe_checkpointed_iteration)
+    RECIPE_LOG=$log
+    RECIPE_LOG_START=$(stat -c %s "$log" 2>/dev/null || echo 0)
     recipe_print "$label" | tee -a "$log"
     "${LAUNCH_CMD[@]}" "${PRETRAIN_ARGS[@]}" 2>&1 | tee -a "$log"
 }

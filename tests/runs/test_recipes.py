@@ -418,26 +418,39 @@ def test_cpu_runs_leave_the_distributed_optimizer_off_so_they_can_resume(monkeyp
     assert "--use-distributed-optimizer" in flags
 
 
+#: What an attempt printed, by name: nothing of note, the entry point's refusal as rank 0
+#: prints it (exit status 2), and the refusal followed by a long output (torchrun's restarts
+#: print megabytes after it: a reader that stops at the match must not fail the search).
+REFUSAL = "pretrain_gpt_domino.py: error: There is no CUDA device here and NCCL needs one\n"
+OUTPUTS = {"": "", "refusal": REFUSAL, "refusal, long": REFUSAL + "[rank0]: args ...\n" * 50_000}
+
+
 @pytest.mark.parametrize(
-    ("tracker", "launched_at", "restarts", "status", "requeued", "returned"),
+    ("tracker", "launched_at", "restarts", "status", "output", "requeued", "returned"),
     [
-        ("100", "0", "0", "0", False, 0),  # finished: nothing to do
-        ("40", "0", "0", "0", True, 0),  # SIGTERM before the time limit: saved at 40, requeue
-        ("40", "20", "1", "1", True, 0),  # a rank died after saving 40, requeued once: again
-        ("40", "0", "3", "1", False, 1),  # MAX_REQUEUES reached: the failure stands
-        (None, "0", "0", "0", True, 0),  # stopped before the first checkpoint: start over
-        ("40", "40", "0", "137", True, 0),  # a rank killed (node lost, OOM): no save needed
+        ("100", "0", "0", "0", "", False, 0),  # finished: nothing to do
+        ("40", "0", "0", "0", "", True, 0),  # SIGTERM before the time limit: saved at 40, requeue
+        ("40", "20", "1", "1", "", True, 0),  # a rank died after saving 40, requeued once: again
+        ("40", "20", "0", "137", "", True, 0),  # a rank killed after saving 40: again
+        ("40", "0", "3", "1", "", False, 1),  # MAX_REQUEUES reached: the failure stands
+        (None, "0", "0", "0", "", True, 0),  # stopped before the first checkpoint: start over
         # Retries that cannot succeed (issue 29: four runs before FAILED):
-        ("40", "40", "0", "2", False, 2),  # a refused command line: its status kept
-        (None, "0", "0", "2", False, 2),
-        ("40", "40", "0", "1", False, 1),  # failed again where it started: would repeat
+        ("40", "40", "0", "2", "refusal", False, 2),  # a refused command line: its status kept
+        (None, "0", "0", "2", "refusal", False, 2),
+        # ... also when srun reports a rank it killed after another refused (--kill-on-bad-exit),
+        # or torchrun its ranks' failure as 1: the refusal in this attempt's output counts.
+        ("40", "40", "0", "143", "refusal", False, 2),
+        ("40", "40", "0", "1", "refusal, long", False, 2),
+        ("40", "40", "0", "1", "", False, 1),  # failed again where it started: would repeat
+        ("40", "40", "0", "137", "", False, 137),  # killed there again (OOM): would repeat
     ],
 )
 def test_an_unfinished_job_requeues_itself(
-    tmp_path, tracker, launched_at, restarts, status, requeued, returned
+    tmp_path, tracker, launched_at, restarts, status, output, requeued, returned
 ):
     """recipe_requeue_unfinished against a stand-in scontrol, after runs that stopped early
-    (the real SLURM tier, tests/slurm/, requeues real jobs)."""
+    (the real SLURM tier, tests/slurm/, requeues real jobs). The log starts with an earlier
+    attempt's refusal, which must not count for this one."""
     (tmp_path / "bin").mkdir()
     scontrol = tmp_path / "bin" / "scontrol"
     scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.calls\n')
@@ -446,6 +459,9 @@ def test_an_unfinished_job_requeues_itself(
     checkpoints.mkdir(parents=True)
     if tracker is not None:
         (checkpoints / "latest_checkpointed_iteration.txt").write_text(tracker)
+    earlier = f"# pretrain: an earlier attempt\n{REFUSAL}"
+    train_log = tmp_path / "run" / "train.log"
+    train_log.write_text(f"{earlier}# pretrain: this attempt\n{OUTPUTS[output]}")
     script = f'source {EXAMPLES}/lib/common.sh; recipe_requeue_unfinished "$STATUS"'
     done = subprocess.run(
         ["bash", "-c", script],
@@ -454,6 +470,7 @@ def test_an_unfinished_job_requeues_itself(
             "TRAIN_ITERS": "100", "MAX_REQUEUES": "3", "SLURM_JOB_ID": "4242",
             "SLURM_RESTART_COUNT": restarts, "RUN_DIR": str(tmp_path / "run"),
             "CHECKPOINT_DIR": str(checkpoints), "RECIPE_LAUNCHED_AT": launched_at,
+            "RECIPE_LOG": str(train_log), "RECIPE_LOG_START": str(len(earlier)),
         },
         capture_output=True,
         text=True,
@@ -462,10 +479,11 @@ def test_an_unfinished_job_requeues_itself(
     calls = tmp_path / "scontrol.calls"
     assert (calls.read_text() if calls.exists() else "") == ("requeue 4242\n" if requeued else "")
     if tracker != "100":
-        log = (tmp_path / "run" / "train.log").read_text()
+        log = train_log.read_text()
         assert "# training stopped at iteration" in log
         assert ("requeueing job 4242" in log) == requeued
-        assert ("not requeued: the command line or an input was refused" in log) == (status == "2")
+        refused = "not requeued: the command line or an input was refused"
+        assert (refused in log) == (returned == 2)
 
 
 @pytest.mark.parametrize("launcher", ["srun", "torchrun", "local"])
