@@ -306,18 +306,18 @@ def _sequence_split_config_problems(model_config) -> list[str]:
 
 
 #: The FP8 recipes Domino runs on TE layers: ``delayed`` (scales from the amax history, the
-#: same for every chunk) and ``tensorwise`` (each cast's own amax, reduced over the TP group
+#: same for every chunk), ``tensorwise`` (each cast's own amax, reduced over the TP group
 #: where stock reduces it: one scale per chunk instead of stock's one per micro-batch,
-#: :mod:`megatron_domino.te_fp8_inputs`).
-_FP8_RECIPES_RUN = (Fp8Recipe.delayed.value, Fp8Recipe.tensorwise.value)
+#: :mod:`megatron_domino.te_fp8_inputs`) and ``blockwise`` (1 x 128 tiles along ``h`` for
+#: activations, so the forward's scales are stock's whatever the chunks).
+_FP8_RECIPES_RUN = (Fp8Recipe.delayed.value, Fp8Recipe.tensorwise.value, Fp8Recipe.blockwise.value)
 #: Why the others are refused, and what to run instead.
 _FP8_RECIPE_REFUSALS = {
     "mxfp8": "--fp8-recipe mxfp8 runs on Blackwell GPUs only (MXFP8 GEMMs; Hopper has none), "
-    "and Domino has not been validated with its 1x32 block scales; use --fp8-recipe delayed "
-    "or tensorwise",
+    "and Domino has not been validated with its 1x32 block scales; use --fp8-recipe delayed, "
+    "tensorwise or blockwise",
     "other": "--fp8-recipe {recipe} has not been validated with Domino's chunks against stock "
-    "Megatron (block scales are not yet modelled on the CPU, and no GPU run has checked them); "
-    "use --fp8-recipe delayed or tensorwise",
+    "Megatron; use --fp8-recipe delayed, tensorwise or blockwise",
 }
 
 

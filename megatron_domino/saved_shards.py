@@ -222,10 +222,17 @@ class SavedInputRegather(InFlight):
         return full
 
 
+def _rowwise_bits(tensor: torch.Tensor):
+    """TE's row-wise FP8 bits of ``tensor`` (``_data`` per-tensor, ``_rowwise_data`` block-scaled),
+    or ``None``."""
+    bits = getattr(tensor, "_data", None)
+    return bits if bits is not None else getattr(tensor, "_rowwise_data", None)
+
+
 def _same_fp8_bits(tensor: torch.Tensor, gathered: torch.Tensor) -> bool:
-    """Whether ``tensor`` is the gathered FP8 input (or an alias of it): its FP8 bits
-    (``_data``, TE's row-wise data) are the gathered input's."""
-    bits, gathered_bits = getattr(tensor, "_data", None), getattr(gathered, "_data", None)
+    """Whether ``tensor`` is the gathered FP8 input (or an alias of it): its row-wise FP8 bits
+    are the gathered input's."""
+    bits, gathered_bits = _rowwise_bits(tensor), _rowwise_bits(gathered)
     return (
         isinstance(bits, torch.Tensor)
         and isinstance(gathered_bits, torch.Tensor)

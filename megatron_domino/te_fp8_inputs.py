@@ -84,8 +84,10 @@ def fp8_grad_output_quantizer(module: torch.nn.Module):
 @contextlib.contextmanager
 def _gathered_cast(quantizer, group: dist.ProcessGroup | None = None) -> Iterator[None]:
     """Inside, ``quantizer`` casts a shard that is then gathered, as TE's own SP gathers set it
-    up (its settings restored after): row-wise ``Float8Tensor`` s (``internal`` off, so autograd
-    can carry them; row-wise only, as TE's all-gather needs), and for a current-scaling
+    up (its settings restored after): tensors autograd can carry (``internal`` off), row-wise
+    only where TE's all-gather takes row-wise bits only (per-tensor scaling: the transpose is
+    made after the gather) and both buffers otherwise (block scaling: 1 x 128 tiles along the
+    tokens cannot be made from the row-wise bits, so TE gathers both), and for a current-scaling
     quantizer, given the TP ``group``, the amax reduced over it (TE's
     ``set_quantizer_amax_reduction_group`` for a column linear's input or a row linear's output
     gradient under SP): every rank casts its shard with one scale, so the gathered tensor has
@@ -96,7 +98,7 @@ def _gathered_cast(quantizer, group: dist.ProcessGroup | None = None) -> Iterato
         reduction = quantizer.with_amax_reduction, quantizer.amax_reduction_group
         quantizer.with_amax_reduction, quantizer.amax_reduction_group = True, group
     quantizer.internal = False
-    quantizer.set_usage(rowwise=True, columnwise=False)
+    quantizer.set_usage(rowwise=True, columnwise=not quantizer.supports_only_rowwise_all_gather())
     try:
         yield
     finally:

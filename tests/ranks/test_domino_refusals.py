@@ -136,18 +136,18 @@ def test_untested_megatron_version_is_refused():
 
 @pytest.mark.parametrize(
     "recipe",
-    [Fp8Recipe.delayed, "delayed", Fp8Recipe.tensorwise, "tensorwise"],
-    ids=["delayed-enum", "delayed-name", "tensorwise-enum", "tensorwise-name"],
+    [Fp8Recipe.delayed, "delayed", Fp8Recipe.tensorwise, "tensorwise", Fp8Recipe.blockwise],
+    ids=["delayed-enum", "delayed-name", "tensorwise-enum", "tensorwise-name", "blockwise"],
 )
-def test_fp8_delayed_and_tensorwise_are_accepted_as_megatrons_enum_or_its_name(recipe):
+def test_hopper_fp8_recipes_are_accepted_as_megatrons_enum_or_its_name(recipe):
     """Megatron-Core's ``Fp8Recipe`` is a ``str`` enum; on Python 3.12 its ``str()`` is
     ``Fp8Recipe.delayed``, so the recipe is judged by its value, not by ``str()``."""
     assert te_problems(DominoConfig(chunks=2), sequence_parallel=True, fp8_recipe=recipe) == []
 
 
-@pytest.mark.parametrize("recipe", [Fp8Recipe.blockwise, "mxfp8"], ids=["enum", "name"])
+@pytest.mark.parametrize("recipe", [Fp8Recipe.custom, "mxfp8"], ids=["enum", "name"])
 def test_other_fp8_recipes_are_refused_by_name(recipe):
     problems = te_problems(DominoConfig(chunks=2), sequence_parallel=True, fp8_recipe=recipe)
     name = getattr(recipe, "value", recipe)
     assert len(problems) == 1 and problems[0].startswith(f"--fp8-recipe {name} ")
-    assert "use --fp8-recipe delayed or tensorwise" in problems[0]
+    assert "use --fp8-recipe delayed, tensorwise or blockwise" in problems[0]

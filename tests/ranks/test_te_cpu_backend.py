@@ -268,3 +268,43 @@ def _megatron_sees_te() -> bool:
 def test_other_ranks_run_megatron_core_without_te():
     """The ranks of every other test run Megatron-Core as a user without TE does."""
     assert run_on_ranks(_megatron_sees_te, 1) == [False]
+
+
+def _block_casts() -> dict:
+    """Block scaling: a [256, 384] tensor whose 128 x 128 blocks span six decades (values within
+    a factor 2 inside each), cast with 1 x 128 tiles (activations) and 128 x 128 blocks
+    (weights); read back by TE's own Python."""
+    import transformer_engine_torch as tex
+    from te_cpu.blockwise import values
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+
+    torch.manual_seed(0)
+    decades = torch.tensor([[-3.0, -1.0, 1.0], [-2.0, 0.0, 2.0]])  # per 128 x 128 block
+    magnitude = (10**decades).repeat_interleave(128, 0).repeat_interleave(128, 1)
+    sign = torch.randint(0, 2, (256, 384)) * 2 - 1
+    x = sign * (1 + torch.rand(256, 384)) * magnitude
+    found = {}
+    for dim in (1, 2):
+        quantizer = Float8BlockQuantizer(
+            tex.DType.kFloat8E4M3, rowwise=True, columnwise=True, block_scaling_dim=dim
+        )
+        cast = quantizer(x)
+        rowwise = cast.dequantize(dtype=torch.float32)
+        columnwise = values(cast, columnwise=True)
+        found[dim] = dict(
+            relative=((rowwise - x).abs() / x.abs()).max().item(),
+            columnwise=((columnwise - x).abs() / x.abs()).max().item(),
+            scale_shape=tuple(cast._rowwise_scale_inv.shape),
+        )
+    return found
+
+
+def test_block_scaled_casts_scale_each_tile_and_read_back_through_tes_python():
+    """Each 1 x 128 tile (or 128 x 128 block) gets its own power-of-2 scale, so values spread
+    over six decades still come back within E4M3's half-ulp (2^-4) from either buffer; the
+    scales are laid out as TE's GEMM reads them (transposed, padded to 4)."""
+    found = run_on_ranks(_block_casts, 1, te=True)[0]
+    for dim, result in found.items():
+        assert result["relative"] <= 2**-4 and result["columnwise"] <= 2**-4, (dim, result)
+    assert found[1]["scale_shape"] == (3, 256)  # [ceil(K/128), roundup(M, 4)]
+    assert found[2]["scale_shape"] == (2, 4)  # [ceil(M/128), roundup(ceil(K/128), 4)]

@@ -11,7 +11,7 @@ ops, for an H100 (sm_90):
   row-wise bits only when its quantizer asks for row-wise usage, the transpose only for
   column-wise usage (``nvte_is_non_tn_fp8_gemm_supported()`` is false on sm_90).
   ``quantizer.internal`` selects a ``Float8TensorStorage`` (no ``torch.Tensor``), else a
-  ``Float8Tensor``.
+  ``Float8Tensor``. Block scaling (``Float8BlockQuantizer``) is :mod:`te_cpu.blockwise`'s.
 * **Casts** round to nearest even and saturate to the format's largest finite value (CUDA's
   ``__NV_SATFINITE``; torch's own cast would give NaN for E4M3). Delayed scaling multiplies by
   the quantizer's ``scale`` and takes the running maximum of ``|x|`` into ``quantizer.amax``
@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from te_cpu import blockwise
 from te_cpu.enums import FP8_MAX, TORCH_DTYPE, DType
 
 __all__ = [
@@ -75,10 +76,10 @@ def _is_current_scaling(quantizer) -> bool:
 
 def _check_supported(quantizer) -> None:
     name = type(quantizer).__name__
-    if name not in ("Float8Quantizer", "Float8CurrentScalingQuantizer"):
+    if name not in ("Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8BlockQuantizer"):
         raise NotImplementedError(
-            f"the CPU backend of transformer_engine_torch casts per-tensor FP8 only "
-            f"(delayed and current scaling); {name} is not modelled: run it on a GPU"
+            f"the CPU backend of transformer_engine_torch casts per-tensor and block-scaled "
+            f"FP8 (delayed, current and block scaling); {name} is not modelled: run it on a GPU"
         )
 
 
@@ -104,6 +105,8 @@ def create_empty_quantized_tensor(quantizer, shape, dtype, device=None, pin_memo
     _check_supported(quantizer)
     device = torch.device("cpu") if device is None else torch.device(device)
     device = torch.device("cpu") if device.type == "cuda" else device
+    if blockwise.is_block_quantizer(quantizer):
+        return blockwise.create_empty(quantizer, shape, dtype, device)
     data = torch.empty(list(shape), dtype=torch.uint8, device=device)
     transpose = (
         torch.empty(_transpose_shape(shape), dtype=torch.uint8, device=device)
@@ -166,6 +169,8 @@ def quantize(tensor: torch.Tensor, quantizer, output=None, noop_flag=None):
         )
     if tensor.numel() == 0:
         return output
+    if blockwise.is_block_quantizer(quantizer):
+        return blockwise.quantize_into(tensor, quantizer, output)
     scale = _cast_scale(quantizer, tensor)
     bits = _cast_bits(tensor, scale, quantizer.dtype)
     if output._data is not None:

@@ -21,8 +21,9 @@ would. The product is formed in fp32 from the operands' values (FP8 bits times
 * ``quantizer``: the result is cast to FP8 with it, into ``D`` if given;
 * otherwise rounded once to ``out_dtype`` (``A``'s dtype by default).
 
-Not modelled: the GELU epilogue, userbuffers overlap, block-scaled and MXFP8/NVFP4 operands
-(they raise). cuBLAS sums in another order: compare Domino with stock on this backend, never
+Block-scaled operands (``--fp8-recipe blockwise``) are read the same way, each from the buffer
+Hopper reads (:mod:`te_cpu.blockwise`). Not modelled: the GELU epilogue, userbuffers overlap,
+MXFP8/NVFP4 operands (they raise). cuBLAS sums in another order: compare Domino with stock on this backend, never
 with a GPU's numbers.
 """
 
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from te_cpu import fp8
+from te_cpu import blockwise, fp8
 from te_cpu.enums import TORCH_DTYPE, DType
 
 __all__ = ["generic_gemm"]
@@ -41,6 +42,8 @@ def _is_fp8(operand) -> bool:
 
 
 def _logical_shape(operand) -> list[int]:
+    if blockwise.is_blockwise(operand):
+        return list(operand.size())
     if not _is_fp8(operand):
         return list(operand.shape)
     if operand._data is not None:
@@ -55,9 +58,12 @@ def _operand(operand, transposed_use: bool) -> torch.Tensor:
     ``transposed_use``: the GEMM reads the operand transposed from how it would read row-wise
     bits in "TN" form, which for FP8 on sm_90 means its column-wise bits.
     """
+    if blockwise.is_blockwise(operand):
+        logical = blockwise.values(operand, columnwise=transposed_use)
+        return logical.reshape(-1, logical.shape[-1])
     if not _is_fp8(operand):
         return operand.reshape(-1, operand.shape[-1]).float()
-    if operand.__class__.__name__.startswith(("MXFP8", "NVFP4", "Float8Blockwise")):
+    if operand.__class__.__name__.startswith(("MXFP8", "NVFP4")):
         raise NotImplementedError(f"the CPU backend's GEMM does not read {type(operand).__name__}")
     if not transposed_use:
         bits = fp8.values(operand)
