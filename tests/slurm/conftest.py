@@ -23,6 +23,17 @@ REPO = Path(__file__).resolve().parents[2]
 CLUSTER_SCRIPT = REPO / "scripts" / "slurm_cluster.sh"
 #: GPUs the test node declares: more than any job asks for (2), as on a real 8-GPU node.
 NODE_GPUS = 8
+#: Job states after which nothing more happens to a job (a requeued job is REQUEUED, then
+#: PENDING, and never passes through these).
+FINAL_STATES = {
+    "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL", "OUT_OF_MEMORY",
+    "PREEMPTED", "TIMEOUT",
+}  # fmt: skip
+#: Seconds a requeued job waits before it starts again, instead of Slurm's two minutes. Not
+#: 0: the node's slurmd refuses a job credential issued in the same second its previous run's
+#: was revoked ("Killing non-startable batch job: Job credential revoked", seen here), and the
+#: job then fails instead of restarting.
+REQUEUE_HOLD = 5
 
 
 def _free_port() -> int:
@@ -62,8 +73,9 @@ def slurm_conf(tmp_path_factory) -> Path:
 
 @dataclass(frozen=True)
 class Job:
-    """A finished job: its id, ``sbatch --wait``'s exit status (the job's), wall time, and
-    what ``scontrol show job`` says of it at the end."""
+    """A finished job: its id, exit status (its batch script's, as ``sbatch --wait``
+    reports it), wall time from submission to its end, and what ``scontrol show job`` says
+    of it then."""
 
     job_id: str
     status: int
@@ -104,10 +116,16 @@ class Slurm:
     ) -> Job:
         """``sbatch --wait`` an examples/ script from the checkout's root with ``knobs`` in the
         environment (sbatch's default --export=ALL takes them to the job), as a user submits
-        it. Every second until it ends: a job requeued by its script skips SLURM's requeue
-        hold (BeginTime, about 2 minutes) at once (StartTime=now, with the ``on_requeue``
-        settings in the same update), then ``while_running(job_id, info)`` runs. Past
-        ``timeout`` the job is cancelled and the test fails with the end of its output."""
+        it. Every second until it ends: a job requeued by its script gets its requeue hold
+        (BeginTime, about 2 minutes) cut to :data:`REQUEUE_HOLD` seconds, once per restart
+        (StartTime, with the ``on_requeue`` settings in the same update), then
+        ``while_running(job_id, info)`` runs. Past ``timeout`` the job is cancelled and the
+        test fails with the end of its output.
+
+        The job's end is read here too, from ``scontrol``: ``sbatch --wait`` polls with a
+        doubling interval (its returns came at 10, 42 and 106 s here, whenever the job had
+        ended), which would make every job look as long as the next step. Once the job is in
+        a final state the waiting sbatch is stopped, and the status is the job's exit code."""
         env = {**self.env, **knobs}
         command = ["sbatch", "--wait", "--parsable", f"--output={output}", *sbatch_args]
         started = time.monotonic()
@@ -121,24 +139,34 @@ class Slurm:
         )
         job_id = waiting.stdout.readline().strip().split(";")[0]
         assert job_id.isdigit(), waiting.stderr.read()
+        holds_cut = set()
         while waiting.poll() is None:
+            info = self.job_info(job_id)
+            if info.get("JobState") in FINAL_STATES:
+                waiting.terminate()
+                waiting.wait(timeout=60)
+                break
             if time.monotonic() - started > timeout:
                 subprocess.run(["scancel", job_id], env=self.env, check=False)
                 waiting.wait(timeout=60)
                 tail = output.read_text()[-3000:] if output.exists() else "(no output)"
                 pytest.fail(f"job {job_id} ({script}) ran past {timeout} s:\n{tail}")
-            info = self.job_info(job_id)
-            if info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime":
-                self.scontrol("update", f"JobId={job_id}", "StartTime=now", *on_requeue)
+            restart = info.get("Restarts")
+            held = info.get("JobState") == "PENDING" and info.get("Reason") == "BeginTime"
+            if held and restart not in holds_cut:
+                holds_cut.add(restart)
+                start = f"StartTime=now+{REQUEUE_HOLD}"
+                self.scontrol("update", f"JobId={job_id}", start, *on_requeue)
             if while_running is not None:
                 while_running(job_id, info)
             time.sleep(1)
         seconds = time.monotonic() - started
+        info = self.job_info(job_id)
         return Job(
             job_id=job_id,
-            status=waiting.returncode,
+            status=int(info["ExitCode"].split(":")[0]),
             seconds=seconds,
-            info=self.job_info(job_id),
+            info=info,
             output=output.read_text() if output.exists() else "",
         )
 
