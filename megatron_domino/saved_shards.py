@@ -122,9 +122,15 @@ class SavedInputRegather(InFlight):
 
     def launch(self) -> None:
         """Start re-gathering every kept tensor (backward, ahead of the linear's backward)."""
-        if self.pending or not self._kept:
+        if self._launched or not self._kept:
             return
         self.start("bwd", self._gather_kept)
+
+    @property
+    def _launched(self) -> bool:
+        """Launched and not yet waited: handles in flight, or outputs of a gather that TE made
+        synchronously (no handle: its block-scaled gather of a shape it cannot cast)."""
+        return self.pending or bool(self._outputs)
 
     def _gather_kept(self) -> list:
         works = []
@@ -144,7 +150,7 @@ class SavedInputRegather(InFlight):
         return works
 
     def _wait(self) -> None:
-        if not self.pending:
+        if not self._launched:
             self.launch()
         self.finish()
         self._ready = dict(enumerate(self._outputs))

@@ -156,16 +156,17 @@ def test_other_recipes_are_refused_with_the_reason(recipe, expected):
     assert expected in message and "delayed, tensorwise or blockwise" in message, message
 
 
-def _blockwise_forward_error() -> float:
-    """Blockwise FP8 + SP, h = 256 (two 1 x 128 tiles per token): the largest per-token loss
-    difference between stock's fused layer and Domino (p = 2) from the same weights. At 32
-    tokens per chunk and rank TE gathers in bf16 and casts the gathered tensor (its fallback
-    for shapes not divisible by 128; its FP8 block gather coalesces NCCL collectives, which
-    gloo lacks)."""
+def _blockwise_step() -> dict:
+    """Blockwise FP8 + SP, h = 256 (two 1 x 128 tiles per token), stock's fused layer and Domino
+    (p = 2) from the same weights: the largest per-token loss difference, and each arm's TP
+    bytes per direction. At 32 tokens per chunk and rank TE gathers in bf16 and casts the
+    gathered tensor (its fallback for shapes not divisible by 128, synchronous; its FP8 block
+    gather coalesces NCCL collectives, which gloo lacks)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_with_transformer_engine_spec,
     )
 
+    from megatron_domino.analysis.collective_bytes import CollectiveBytes
     from megatron_domino.analysis.equivalence import token_batch
     from megatron_domino.apply import apply_domino
     from megatron_domino.config import DominoConfig
@@ -183,14 +184,27 @@ def _blockwise_forward_error() -> float:
     apart = build_gpt_model(options, spec=te_norms_apart_layer_spec())
     apart.load_state_dict(stock.state_dict())
     batch = token_batch(options, 2)
-    with torch.no_grad(), apply_domino(apart, DominoConfig(chunks=2)):
-        return (stock(**batch) - apart(**batch)).abs().max().item()
+
+    def step(model) -> tuple:
+        with CollectiveBytes() as forward:
+            loss = model(**batch)
+        with CollectiveBytes() as backward:
+            loss.float().mean().backward()
+        return loss.detach(), forward.total, backward.total
+
+    reference, *stock_bytes = step(stock)
+    with apply_domino(apart, DominoConfig(chunks=2)):
+        loss, *domino_bytes = step(apart)
+    return dict(error=(reference - loss).abs().max().item(), stock=stock_bytes, domino=domino_bytes)
 
 
-def test_blockwise_forward_is_stocks_bit_for_bit():
+def test_blockwise_forward_is_stocks_bit_for_bit_and_tp_bytes_are_stocks():
     """Block scaling's activation tiles are 1 x 128 along ``h``: each token's scales depend on
     that token alone, so chunking the tokens leaves every forward cast as stock's (checked with
     two tiles per token). Its weight-gradient inputs are tiled 128 x 1 along the tokens, so
     there a chunk boundary changes the tiles: the backward is held to stock's FP8 error by the
-    training test above."""
-    assert run_on_ranks(_blockwise_forward_error, 2, te=True)[0] == 0.0
+    training test above. The TP bytes of each direction are stock's (before: each chunk's kept
+    input was gathered twice in backward when TE's gather ran synchronously, 1.4x stock's)."""
+    found = run_on_ranks(_blockwise_step, 2, te=True)[0]
+    assert found["error"] == 0.0, found
+    assert found["domino"] == found["stock"], found
