@@ -15,9 +15,14 @@ import pytest  # noqa: E402 - the helpers' folder goes on the path first
 from te_cpu import installed_te_version, te_version_line  # noqa: E402
 
 
-def pytest_report_header() -> str:
-    """Which Transformer Engine the TE tests run (its own Python over the CPU backend)."""
-    return te_version_line()
+def pytest_sessionstart(session) -> None:
+    """Print which Transformer Engine the TE tests run (its own Python over the CPU backend),
+    also under ``-q`` (which hides pytest's header): once, from the controlling process."""
+    if hasattr(session.config, "workerinput"):  # a pytest-xdist worker
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(te_version_line())
 
 
 def pytest_collection_modifyitems(items: list) -> None:
