@@ -176,8 +176,8 @@ def layer_spec(options: GPTOptions) -> ModuleSpec:
 def build_gpt_model(options: GPTOptions, *, spec: ModuleSpec | None = None) -> GPTModel:
     """Build the GPTModel shard of this rank, for the TP size of the current parallel state.
 
-    ``spec`` replaces the layer spec :func:`layer_spec` would pick (e.g. the CPU stand-ins for
-    Transformer Engine layers in the tests).
+    ``spec`` replaces the layer spec :func:`layer_spec` would pick (e.g. Megatron-Core's TE spec
+    in the tests' ranks, where TE's Python runs on the CPU).
 
     Needs ``megatron.core.parallel_state`` initialised (see
     :func:`megatron_domino.harness.distributed.init_distributed`). The model is built as Megatron-LM's
