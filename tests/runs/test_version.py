@@ -164,3 +164,13 @@ def test_transformer_engine_older_than_the_modelled_release_is_refused(
         return
     with pytest.raises(DominoUnsupportedError, match=f"found {re.escape(found)}"):
         check_transformer_engine_version()
+
+
+def test_make_installs_the_te_release_the_suite_names():
+    """``make``'s default TE (``TE ?= x``) is the one the TE tests look for without
+    ``MEGATRON_DOMINO_TE_HOME`` (``te_cpu.SUITE_TE_VERSION``), and inside the tested range."""
+    from te_cpu import SUITE_TE_VERSION
+
+    (default,) = re.findall(r"^TE \?= (\S+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
+    assert default == SUITE_TE_VERSION
+    assert Version(default) in TESTED_TRANSFORMER_ENGINE
