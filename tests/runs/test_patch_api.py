@@ -191,3 +191,19 @@ def test_patched_pretrain_gpt_on_two_cpu_ranks(tmp_path):
     )  # fmt: skip
     assert help_run.returncode == 0, help_run.stderr[-3000:]
     assert "--domino-ab N" in help_run.stdout
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
+def test_hopper_fp8_recipes_attach_through_the_patch(recipe, monkeypatch):
+    """The FP8 recipes H100 users run pass the patch's checks with Transformer Engine layers
+    and SP (``tests/ranks/test_te_fp8_recipes.py`` runs them on TE's own modules); MXFP8 is
+    refused there, as in ``pretrain_gpt_domino.py``."""
+    te_fp8 = ["--transformer-impl", "transformer_engine", "--sequence-parallel"]
+    te_fp8 += ["--fp8-format", "hybrid", "--fp8-recipe", recipe]
+    te_fp8 += ["--spec", "megatron_domino.te_spec", "te_norms_apart_block_spec"]
+    model_config = SimpleNamespace(pre_wrap_hooks=[])
+    hook = megatron_lm.attach(model_config, _parse(monkeypatch, "--domino", *te_fp8))
+    try:
+        assert model_config.pre_wrap_hooks == [hook]
+    finally:
+        hook.loop_patches.close()
