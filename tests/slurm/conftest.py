@@ -83,6 +83,12 @@ class Job:
     info: dict[str, str]
     output: str
 
+    @property
+    def completed(self) -> bool:
+        """Ran and exited 0: a job Slurm could not start (an --output it cannot open) ends
+        FAILED with exit code 0."""
+        return self.status == 0 and self.info.get("JobState") == "COMPLETED"
+
 
 class Slurm:
     """sbatch, scontrol and scancel against the session's Slurm."""

@@ -21,10 +21,13 @@ from pathlib import Path
 import pytest
 from conftest import NODE_GPUS
 
-#: What every training job here runs: TP = 2 on two of the node's GPUs, as CPU ranks. Long
-#: enough (about 50 s of training here, 0.1 s per iteration) that the time-limit signal, which
-#: Slurm sends at its next check, up to 30 s after the limit is cut, lands while it trains.
-TRAIN_ITERS = 500
+#: Iterations of the A/B jobs: enough for the report's medians (10 % warm-up left out).
+AB_ITERS = 100
+#: Iterations of the jobs that are stopped, requeued and resumed, and of the uninterrupted run
+#: they are held to: long enough (about 80 s of training here, 0.08-0.1 s per iteration) that
+#: the time-limit signal, which Slurm sends at its next check, up to 30 s after the limit is
+#: cut, lands while it trains.
+TRAIN_ITERS = 800
 KNOBS = {
     "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
     "CPU": "1",
@@ -81,7 +84,7 @@ def test_an_exclusive_job_is_handed_every_gpu_of_the_node(slurm, tmp_path):
         str(script), knobs={}, sbatch_args=("--exclusive", *ASKED), output=tmp_path / "out",
         timeout=60,
     )  # fmt: skip
-    assert job.status == 0 and f"ON_NODE={NODE_GPUS} PER_NODE=2" in job.output, job.output
+    assert job.completed and f"ON_NODE={NODE_GPUS} PER_NODE=2" in job.output, job.output
 
 
 @pytest.mark.parametrize(
@@ -100,7 +103,7 @@ def test_ranks_per_node_are_the_gpus_the_job_asked_for(slurm, tmp_path, script, 
         script, knobs=job_knobs(tmp_path, DRY_RUN="1"), sbatch_args=ASKED,
         output=tmp_path / "out", timeout=60,
     )  # fmt: skip
-    assert job.status == 0, job.output
+    assert job.completed, job.output
     assert "1 node(s) x 2 ranks, TP=2, PP=1, DP=1" in job.output
     assert launcher in job.output
     if script == "ab_compare.sh":
@@ -119,40 +122,27 @@ def test_ranks_per_node_are_the_gpus_the_job_asked_for(slurm, tmp_path, script, 
 # --- Training jobs ------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ab_srun(slurm, tmp_path_factory):
-    """ab_compare.sh's job, srun style: baseline and --domino, then the report. Its arms are
-    the uninterrupted runs the requeued jobs below are held to."""
-    tmp_path = tmp_path_factory.mktemp("ab-srun")
-    job = slurm.submit(
-        "ab_compare.sh", knobs=job_knobs(tmp_path, AB_DIR=str(tmp_path / "ab")),
-        sbatch_args=ASKED, output=tmp_path / "out", timeout=JOB_TIMEOUT,
-    )  # fmt: skip
-    report(job, "ab_compare.sh, srun")
-    assert job.status == 0, job.output[-3000:]
-    return tmp_path / "ab"
-
-
-def test_ab_compare_in_both_launch_styles_writes_its_table_and_equal_losses(
-    slurm, tmp_path, ab_srun
-):
-    """srun per rank and srun torchrun per node, each without and with --domino: the same
-    losses (bit for bit between the styles; Domino's within float rounding of stock's, its
-    chunks sum in another order), and the report's table.md and ab.json."""
-    job = slurm.submit(
-        "ab_compare.sh",
-        knobs=job_knobs(tmp_path, AB_DIR=str(tmp_path / "ab"), LAUNCHER="torchrun"),
-        sbatch_args=ASKED, output=tmp_path / "out", timeout=JOB_TIMEOUT,
-    )  # fmt: skip
-    report(job, "ab_compare.sh, torchrun")
-    assert job.status == 0, job.output[-3000:]
-    for ab, style in ((ab_srun, "srun"), (tmp_path / "ab", "torchrun")):
-        table = (ab / "table.md").read_text()
+def test_ab_compare_in_both_launch_styles_writes_its_table_and_equal_losses(slurm, tmp_path):
+    """ab_compare.sh under srun per rank and under srun torchrun per node, each arm without
+    and with --domino: the same losses (bit for bit between the styles; Domino's within float
+    rounding of stock's, its chunks sum in another order), and the report's table.md and
+    ab.json, also from Megatron-LM's own iteration lines."""
+    for style in ("srun", "torchrun"):
+        ab = tmp_path / style
+        ab.mkdir()  # for sbatch's --output file
+        knobs = job_knobs(ab, AB_DIR=str(ab / "ab"), LAUNCHER=style, TRAIN_ITERS=str(AB_ITERS))
+        job = slurm.submit(
+            "ab_compare.sh", knobs=knobs, sbatch_args=ASKED, output=ab / "out",
+            timeout=JOB_TIMEOUT,
+        )  # fmt: skip
+        report(job, f"ab_compare.sh, {style}")
+        assert job.completed, job.output[-3000:]
+        table = (ab / "ab" / "table.md").read_text()
         assert table.startswith("| arm | system | GPUs | precision | model |")
         assert "| baseline |" in table and "| domino |" in table and "| p=2 k=1 |" in table
-        result = json.loads((ab / "ab.json").read_text())
+        result = json.loads((ab / "ab" / "ab.json").read_text())
         assert set(result["arms"]) == {"baseline", "domino"}
-        assert result["loss_parity"]["common_iterations"] == TRAIN_ITERS
+        assert result["loss_parity"]["common_iterations"] == AB_ITERS
         assert result["loss_parity"]["max_abs_diff"] < 1e-4, style
         assert result["meta"]["launcher"] == style
         command = result["arms"]["domino"]["command"]
@@ -161,17 +151,32 @@ def test_ab_compare_in_both_launch_styles_writes_its_table_and_equal_losses(
     # so a change of their format shows up here.
     from megatron_domino.tools import ab_report
 
+    srun_ab, torchrun_ab = tmp_path / "srun" / "ab", tmp_path / "torchrun" / "ab"
     text = tmp_path / "from-train-log"
-    arms = ["--baseline", str(ab_srun / "baseline" / "train.log")]
-    arms += ["--domino", str(ab_srun / "domino" / "train.log")]
+    arms = ["--baseline", str(srun_ab / "baseline" / "train.log")]
+    arms += ["--domino", str(srun_ab / "domino" / "train.log")]
     assert ab_report.main([*arms, "--gpus", "2", "--out-dir", str(text)]) == 0
     from_text = json.loads((text / "ab.json").read_text())
-    assert from_text["loss_parity"]["final_iteration"] == TRAIN_ITERS
+    assert from_text["loss_parity"]["final_iteration"] == AB_ITERS
     assert from_text["loss_parity"]["max_abs_diff"] < 1e-4
     for arm in ("baseline", "domino"):
-        srun_losses = losses(ab_srun / arm / "log.jsonl")
-        assert list(srun_losses) == list(range(1, TRAIN_ITERS + 1))
-        assert losses(tmp_path / "ab" / arm / "log.jsonl") == srun_losses, arm
+        srun_losses = losses(srun_ab / arm / "log.jsonl")
+        assert list(srun_losses) == list(range(1, AB_ITERS + 1))
+        assert losses(torchrun_ab / arm / "log.jsonl") == srun_losses, arm
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(slurm, tmp_path_factory) -> dict[int, float]:
+    """The losses of pretrain_gpt_srun.sh with --domino run to the end in one go: what the
+    stopped, requeued and resumed jobs below must compute."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    job = slurm.submit(
+        "pretrain_gpt_srun.sh", knobs=job_knobs(tmp_path, DOMINO="1"), sbatch_args=ASKED,
+        output=tmp_path / "out", timeout=JOB_TIMEOUT,
+    )  # fmt: skip
+    report(job, "pretrain_gpt_srun.sh, uninterrupted")
+    assert job.completed and job.info["Restarts"] == "0", job.output[-3000:]
+    return losses(tmp_path / "run" / "log.jsonl")
 
 
 def _resumed(train_log: str) -> list[tuple[int, int]]:
@@ -182,11 +187,11 @@ def _resumed(train_log: str) -> list[tuple[int, int]]:
     return [(int(i), int(s)) for i, s in found]
 
 
-def _check_resumed_run(tmp_path: Path, ab_srun: Path, job) -> int:
+def _check_resumed_run(tmp_path: Path, uninterrupted: dict[int, float], job) -> int:
     """The requeued job's run: requeued once, resumed from the iteration it saved on the
     signal, trained to the end, every iteration logged once, the losses of the uninterrupted
     --domino run. Returns the iteration it saved at."""
-    assert job.status == 0 and job.info["JobState"] == "COMPLETED", job.output[-3000:]
+    assert job.completed, job.output[-3000:]
     assert job.info["Restarts"] == "1"
     train_log = (tmp_path / "run" / "train.log").read_text()
     [(saved, status)] = _resumed(train_log)
@@ -201,7 +206,7 @@ def _check_resumed_run(tmp_path: Path, ab_srun: Path, job) -> int:
     )
     resumed = losses(tmp_path / "run" / "log.jsonl")
     assert list(resumed) == list(range(1, TRAIN_ITERS + 1))
-    assert resumed == losses(ab_srun / "domino" / "log.jsonl")
+    assert resumed == uninterrupted
     print(
         f"saved at iteration {saved} (status {status}), resumed from {saved}, final {TRAIN_ITERS}"
     )
@@ -213,7 +218,7 @@ def _trained_iterations(tmp_path: Path) -> int:
     return len(log.read_text().splitlines()) if log.exists() else 0
 
 
-def test_sigterm_before_the_time_limit_saves_requeues_and_resumes(slurm, tmp_path, ab_srun):
+def test_sigterm_before_the_time_limit_saves_requeues_and_resumes(slurm, tmp_path, uninterrupted):
     """srun style: SIGTERM to the job's ranks mid-run (what --signal=TERM@300 sends five
     minutes before the limit; here scancel --signal=TERM): every rank saves and exits, the
     script requeues the job, Slurm restarts it, it resumes and finishes."""
@@ -230,7 +235,7 @@ def test_sigterm_before_the_time_limit_saves_requeues_and_resumes(slurm, tmp_pat
     )  # fmt: skip
     report(job, "pretrain_gpt_srun.sh, SIGTERM")
     assert signalled, "the run ended before it was signalled"
-    assert _check_resumed_run(tmp_path, ab_srun, job) >= signalled[0]
+    assert _check_resumed_run(tmp_path, uninterrupted, job) >= signalled[0]
 
 
 def _seconds(run_time: str) -> int:
@@ -240,13 +245,13 @@ def _seconds(run_time: str) -> int:
     return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
-def test_the_time_limit_signal_saves_requeues_and_resumes(slurm, tmp_path, ab_srun):
+def test_the_time_limit_signal_saves_requeues_and_resumes(slurm, tmp_path, uninterrupted):
     """torchrun style, a real time limit: submitted with --time=30 --signal=TERM@150; once it
-    trains (its first iteration logged: the ranks' signal handler is in place), its limit is cut (scontrol update TimeLimit) to 2-3 minutes from now, so Slurm
-    itself sends the signal at its next time-limit check (every 30 s, up to 30 s early) and
-    the kill is still 90 s or more away. Torchrun passes the signal to its ranks, they save,
-    the script requeues the job (with its limit back at 30 minutes, so the restart runs to
-    the end)."""
+    trains (its first iteration logged: the ranks' signal handler is in place), its limit is
+    cut (scontrol update TimeLimit) to 2-3 minutes from now, so Slurm itself sends the signal
+    at its next time-limit check (every 30 s; it sends it up to 30 s early) and the kill is
+    still 90 s or more away. Torchrun passes the signal to its ranks, they save, the script
+    requeues the job (with its limit back at 30 minutes, so the restart runs to the end)."""
     cut = []
 
     def cut_the_time_limit(job_id, info):
@@ -262,7 +267,7 @@ def test_the_time_limit_signal_saves_requeues_and_resumes(slurm, tmp_path, ab_sr
     )  # fmt: skip
     report(job, "pretrain_gpt_torchrun.sh, time limit")
     assert cut, "the run ended before its time limit was cut"
-    _check_resumed_run(tmp_path, ab_srun, job)
+    _check_resumed_run(tmp_path, uninterrupted, job)
 
 
 @pytest.mark.parametrize("script", ["pretrain_gpt_srun.sh", "pretrain_gpt_torchrun.sh"])
