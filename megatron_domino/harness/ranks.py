@@ -52,6 +52,8 @@ import torch.multiprocessing as mp
 __all__ = ["CPU_PRELOAD", "RankFailure", "free_port", "import_target", "run_ranks"]
 
 _POLL_S = 1.0
+#: Launches tried when the store's port was taken in between (:func:`run_ranks`).
+_PORT_ATTEMPTS = 3
 #: What the CPU ranks' fork server imports once (module docstring).
 CPU_PRELOAD = (
     "torch",
@@ -249,8 +251,24 @@ def run_ranks(
     ctx = mp.get_context("forkserver" if device == "cpu" else "spawn")
     if device == "cpu":
         ctx.set_forkserver_preload(list(CPU_PRELOAD))  # read when the server first starts
+    launch = (ctx, world_size, device, init, tp, pp, seed, target, args, timeout_s, preload)
+    for _ in range(_PORT_ATTEMPTS - 1):
+        try:
+            return _launch(free_port(), *launch)
+        except RankFailure as failure:
+            # free_port's port can be taken by another process before rank 0 binds it (two
+            # pytest workers, a job beside the suite): no rank got past its process group,
+            # so launch again on another port.
+            if "EADDRINUSE" not in str(failure):
+                raise
+    return _launch(free_port(), *launch)
+
+
+def _launch(
+    port: int, ctx, world_size, device, init, tp, pp, seed, target, args, timeout_s, preload
+) -> list[Any]:
+    """One launch of :func:`run_ranks` with its process group's store on ``port``."""
     results = ctx.Queue()
-    port = free_port()
     processes = [
         ctx.Process(
             target=_rank_main,
