@@ -28,7 +28,10 @@ the same on every rank and every chunk of the micro-batch. Under current scaling
 (``--fp8-recipe tensorwise``) each cast takes the amax of what it casts, reduced over the TP
 group as stock's SP gathers reduce it: so each **chunk** is cast with its own scale (the
 chunk's amax over all ranks), where stock casts the whole micro-batch with one; that is the one
-numerical difference from stock, held to stock's own FP8 error by the tests.
+numerical difference from stock, held to stock's own FP8 error by the tests. Under block
+scaling (``--fp8-recipe blockwise``) the activations' 1 x 128 tiles run along ``h``, so the
+forward's casts are stock's whatever the chunks; the 128 x 1 tiles of the weight-gradient
+inputs run along the tokens, where a chunk boundary cuts them.
 
 What has run where: on TE 2.18's own Python over the test suite's CPU backend of its
 extension (``tests/te_cpu``: GEMMs, casts and norm kernels modelled in torch); not yet on a GPU.
@@ -109,9 +112,9 @@ def _gathered_cast(quantizer, group: dist.ProcessGroup | None = None) -> Iterato
 
 
 def quantize_shard(quantizer, shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``shard`` ``[s/tp, b/p, h]`` cast to FP8 row-wise for a gather over ``group``, as a
-    ``Float8Tensor`` (no autograd: the gradient reaches ``shard`` through Domino's gather
-    nodes)."""
+    """``shard`` ``[s/tp, b/p, h]`` cast to FP8 for a gather over ``group`` (the buffers that
+    gather takes, :func:`_gathered_cast`), as a tensor subclass (no autograd: the gradient
+    reaches ``shard`` through Domino's gather nodes)."""
     with torch.no_grad(), _gathered_cast(quantizer, group):
         return quantizer(shard)
 
