@@ -62,13 +62,16 @@ def te_options(sequence_parallel: bool, **changes) -> GPTOptions:
     )
 
 
-def te_spec(sequence_parallel: bool, *, fused_norms: bool | None = None):
+def te_spec(sequence_parallel: bool, *, fused_norms: bool | None = None, **changes):
     """The TE layer Domino runs: Megatron-Core's TE spec (norms fused into the column
-    linears) without SP, the norms-apart spec under it; ``fused_norms`` overrides the choice."""
+    linears) without SP, the norms-apart spec under it; ``fused_norms`` overrides the choice,
+    ``changes`` go to the spec builder (e.g. ``use_te_activation_func``)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
     fused = not sequence_parallel if fused_norms is None else fused_norms
-    return get_gpt_layer_with_transformer_engine_spec() if fused else te_norms_apart_layer_spec()
+    if fused:
+        return get_gpt_layer_with_transformer_engine_spec(**changes)
+    return te_norms_apart_layer_spec(**changes)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,7 @@ import os
 import pytest
 import torch
 from multiproc import run_on_ranks
+from te_models import te_spec
 from tiny_models import LLAMA_STYLE
 
 pytestmark = pytest.mark.te
@@ -29,13 +30,9 @@ pytestmark = pytest.mark.te
 
 def _models():
     """The stock fused TE model and the norms-apart one (different weights), FP8 state set."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_with_transformer_engine_spec,
-    )
 
     from megatron_domino.analysis.equivalence import forward_backward, token_batch
     from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
-    from megatron_domino.te_spec import te_norms_apart_layer_spec
 
     os.environ["NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"] = "1"  # module docstring
     options = GPTOptions(
@@ -45,8 +42,8 @@ def _models():
     models = {}
     for seed, (name, spec) in enumerate(
         (
-            ("stock", get_gpt_layer_with_transformer_engine_spec()),
-            ("domino", te_norms_apart_layer_spec()),
+            ("stock", te_spec(True, fused_norms=True)),
+            ("domino", te_spec(True)),
         )
     ):
         torch.manual_seed(seed)

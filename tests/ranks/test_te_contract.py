@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from fused_wgrad_stand_in import installed as fused_wgrad_installed
 from multiproc import run_on_ranks
+from te_models import te_spec
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_domino.analysis.equivalence import (
@@ -138,19 +139,6 @@ def _te_options(sequence_parallel: bool, **changes) -> GPTOptions:
     )  # fmt: skip
 
 
-def _te_spec(sequence_parallel: bool, **changes):
-    """The TE layer Domino runs: under SP with its norms apart, else Megatron's TE spec."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-
-    from megatron_domino.te_spec import te_norms_apart_layer_spec
-
-    if sequence_parallel:
-        return te_norms_apart_layer_spec(**changes)
-    return get_gpt_layer_with_transformer_engine_spec(**changes)
-
-
 def _te_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     """Megatron's TE linear wrappers (they carry ``is_first_microbatch``)."""
     return [m for m in model.modules() if hasattr(m, "is_first_microbatch")]
@@ -225,7 +213,7 @@ def _column_inputs(model, batch) -> list[str]:
 def _te_contract(sequence_parallel: bool, setting_name: str) -> dict:
     """Stock against Domino on TE's modules under FP8, at the coincident shape."""
     options = _te_options(sequence_parallel)
-    spec = _te_spec(sequence_parallel)
+    spec = te_spec(sequence_parallel)
     model = build_gpt_model(options, spec=spec)
     batch = token_batch(options, MICRO_BATCH)
     config = named_setting(setting_name).config
@@ -289,16 +277,12 @@ def test_column_linears_get_the_fp8_gathered_input_under_sp(te_contract):
 def _forward_losses() -> tuple[float, float]:
     """Under FP8 + SP, from the same weights and FP8 state: ``(|stock - norms apart without
     Domino|, |stock - Domino|)``, the largest per-token loss differences of one forward."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_with_transformer_engine_spec,
-    )
-
     from megatron_domino.config import DominoConfig
 
     os.environ["NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"] = "1"  # TE's FP8 state: our own
     options = _te_options(True)
-    stock = build_gpt_model(options, spec=get_gpt_layer_with_transformer_engine_spec())
-    apart = build_gpt_model(options, spec=_te_spec(True))
+    stock = build_gpt_model(options, spec=te_spec(True, fused_norms=True))
+    apart = build_gpt_model(options, spec=te_spec(True))
     batch = token_batch(options, MICRO_BATCH)
     with torch.no_grad():
         apart.load_state_dict(stock.state_dict())
@@ -322,7 +306,7 @@ def test_fp8_forward_under_sp_is_stocks_bit_for_bit():
 def _refusal(changes: dict) -> str:
     from megatron_domino.config import DominoConfig, DominoUnsupportedError
 
-    model = build_gpt_model(_te_options(True), spec=_te_spec(True))
+    model = build_gpt_model(_te_options(True), spec=te_spec(True))
     for name, value in changes.items():
         setattr(model.config, name, value)
     with pytest.raises(DominoUnsupportedError) as error:
@@ -348,7 +332,7 @@ def _te_activation() -> tuple[str, bool]:
         bias_activation_fusion=False,
         use_te_activation_func=True,
     )
-    spec = _te_spec(True, use_te_activation_func=True)
+    spec = te_spec(True, use_te_activation_func=True)
     model = build_gpt_model(options, spec=spec)
     compared = compare_with_stock(
         model, token_batch(options, MICRO_BATCH), {"sp-p2": named_setting("sp-p2").config},

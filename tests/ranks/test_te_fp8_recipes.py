@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 from multiproc import run_on_ranks
+from te_models import te_spec
 from tiny_models import LLAMA_STYLE
 
 pytestmark = pytest.mark.te
@@ -31,15 +32,11 @@ STEPS = 6
 def _losses(recipe: str, sequence_parallel: bool) -> dict[str, list[float]]:
     """Per-step mean losses of three runs from the same initial weights: bf16, FP8 stock, FP8
     with Domino (p = 2)."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_with_transformer_engine_spec,
-    )
 
     from megatron_domino.analysis.equivalence import token_batch
     from megatron_domino.apply import apply_domino
     from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
     from megatron_domino.harness.settings import setting
-    from megatron_domino.te_spec import te_norms_apart_layer_spec
 
     name = "sp-p2" if sequence_parallel else "p2-no-backward-overlap"
     runs = {}
@@ -53,12 +50,7 @@ def _losses(recipe: str, sequence_parallel: bool) -> dict[str, list[float]]:
             transformer_impl="transformer_engine", bf16=True, fp8_format=fp8, fp8_recipe=recipe,
         )  # fmt: skip
         torch.manual_seed(0)
-        spec = (
-            te_norms_apart_layer_spec()
-            if sequence_parallel
-            else get_gpt_layer_with_transformer_engine_spec()
-        )
-        model = build_gpt_model(options, spec=spec)
+        model = build_gpt_model(options, spec=te_spec(sequence_parallel))
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
         losses = []
         with apply_domino(model, setting(name).config) if domino else _nothing():
@@ -100,14 +92,13 @@ def _gathered_chunk_scales() -> list[float]:
     from megatron_domino.apply import apply_domino
     from megatron_domino.config import DominoConfig
     from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
-    from megatron_domino.te_spec import te_norms_apart_layer_spec
 
     options = GPTOptions(
         **{**LLAMA_STYLE, "num_layers": 2}, sequence_parallel=True,
         transformer_impl="transformer_engine", bf16=True, fp8_format="hybrid",
         fp8_recipe="tensorwise",
     )  # fmt: skip
-    model = build_gpt_model(options, spec=te_norms_apart_layer_spec())
+    model = build_gpt_model(options, spec=te_spec(True))
     scales, cast = [], megatron_domino.schedule.quantized_norm_output
 
     def recording(*args):
@@ -131,16 +122,13 @@ def test_tensorwise_casts_each_gathered_chunk_with_one_scale_on_every_rank():
 
 
 def _refusal(recipe: str) -> str:
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_with_transformer_engine_spec,
-    )
 
     from megatron_domino.apply import apply_domino
     from megatron_domino.config import DominoConfig, DominoUnsupportedError
     from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
 
     options = GPTOptions(**{**LLAMA_STYLE, "num_layers": 1}, transformer_impl="transformer_engine")
-    model = build_gpt_model(options, spec=get_gpt_layer_with_transformer_engine_spec())
+    model = build_gpt_model(options, spec=te_spec(True, fused_norms=True))
     model.config.fp8, model.config.fp8_recipe = "hybrid", recipe
     with pytest.raises(DominoUnsupportedError) as error:
         apply_domino(model, DominoConfig(chunks=2, backward_overlap=False))
@@ -162,9 +150,6 @@ def _blockwise_step() -> dict:
     bytes per direction. At 32 tokens per chunk and rank TE gathers in bf16 and casts the
     gathered tensor (its fallback for shapes not divisible by 128, synchronous; its FP8 block
     gather coalesces NCCL collectives, which gloo lacks)."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_with_transformer_engine_spec,
-    )
 
     from megatron_domino.analysis.collective_bytes import CollectiveBytes
     from megatron_domino.analysis.equivalence import token_batch
@@ -172,7 +157,6 @@ def _blockwise_step() -> dict:
     from megatron_domino.config import DominoConfig
     from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
     from megatron_domino.harness.model_options import LLAMA_FLAVOUR
-    from megatron_domino.te_spec import te_norms_apart_layer_spec
 
     options = GPTOptions(
         num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=4,
@@ -180,8 +164,8 @@ def _blockwise_step() -> dict:
         sequence_parallel=True, transformer_impl="transformer_engine", bf16=True,
         fp8_format="hybrid", fp8_recipe="blockwise",
     )  # fmt: skip
-    stock = build_gpt_model(options, spec=get_gpt_layer_with_transformer_engine_spec())
-    apart = build_gpt_model(options, spec=te_norms_apart_layer_spec())
+    stock = build_gpt_model(options, spec=te_spec(True, fused_norms=True))
+    apart = build_gpt_model(options, spec=te_spec(True))
     apart.load_state_dict(stock.state_dict())
     batch = token_batch(options, 2)
 
