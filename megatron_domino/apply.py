@@ -23,6 +23,7 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 
 from megatron_domino.block import domino_block_forward
 from megatron_domino.config import DominoConfig, DominoUnsupportedError
+from megatron_domino.output_head import chunk_logits
 from megatron_domino.plan import LAYER_PLAN, layer_forward, model_end_forwards
 from megatron_domino.recorder import NULL_RECORDER, NullRecorder
 from megatron_domino.refusals import model_problems, raise_problems, sharded_problems
@@ -110,5 +111,7 @@ def apply_domino(
     for end, module in model_end_forwards(models[0], config) if len(models) == 1 else []:
         module.forward = functools.partial(end.forward, module, runtime=runtime)
         patched.append(module)
-        runtime.head_overlap |= end.attribute == "output_layer"
+        if end.attribute == "output_layer":
+            runtime.head_overlap = True
+            runtime.chunk_logits = functools.partial(chunk_logits, models[0])
     return DominoHandle(runtime, patched)

@@ -177,6 +177,8 @@ def _run_group(
                 tuple(chunk.hidden for chunk in chunks),
                 tuple(step.head_slots),
                 SPLIT_DIMS[runtime.config.split_along],
+                step.head_logits,
+                step.head_weight,
             )
         return joined
 

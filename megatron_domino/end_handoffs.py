@@ -83,9 +83,13 @@ class HeadHandoff:
             chunk's tokens ``[s/p, b, h]`` for the sequence split), behind its backward wait.
         slots: each chunk's input-gradient all-reduce, in chunk order.
         split_dim: the dimension ``joined`` is the concatenation of ``chunks`` along.
+        logits: the logits ``[s, b, V/tp]`` the schedule computed per chunk, or ``None``.
+        logits_weight: the output-layer weight ``logits`` were computed with.
     """
 
     joined: torch.Tensor
     chunks: tuple[torch.Tensor, ...]
     slots: tuple[DgradAllReduce, ...]
     split_dim: int
+    logits: torch.Tensor | None = None
+    logits_weight: torch.Tensor | None = None

@@ -16,6 +16,16 @@ all-reduce, last chunk first (the first whose backward runs), computes ``dW`` on
 micro-batch, and returns the chunks' gradients still in flight. Chunk ``p-1``'s wait comes
 first; while it and its last layer's backward run, the other chunks' all-reduces fly.
 
+In forward, each chunk's logits ``[s, b/p, V/tp]`` are computed inside the schedule, one op
+after its final norm (:func:`chunk_logits`): chunk ``c``'s logits GEMM then runs while the
+later chunks' last all-reduces fly, where stock (and the joined output layer) could only wait
+for the last chunk before the one GEMM of the whole micro-batch. They are computed without
+autograd, by calling the output layer as a module (its hooks run, as DDP's parameter-gather
+wait needs), into one ``[s, b, V/tp]`` tensor that :class:`_OutputLayerChunkedDgrad` returns
+instead of multiplying again; its node is still created where the output layer is called, so
+the backward above is unchanged. The loss stays on the joined logits, as stock computes it:
+its vocab-parallel all-reduces would queue on the same wire behind the last chunk's.
+
 The hand-off from the block to the output layer is a :class:`~megatron_domino.end_handoffs.HeadHandoff` on the runtime: the
 block records the joined output it returns with the chunk outputs behind it; the output layer's
 bound forward takes the hand-off only for that very tensor. A hand-off never taken leaves the
@@ -41,6 +51,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
 from megatron_domino.backward_overlap import wait_for_dgrad_reduce, weight_gradient
+from megatron_domino.chunking import SPLIT_DIMS
 from megatron_domino.collectives import DgradAllReduce
 from megatron_domino.recorder import CollectiveLabel
 
@@ -50,6 +61,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "HEAD_COLLECTIVE",
+    "chunk_logits",
     "output_layer_forward",
     "output_layer_problems",
     "place_head_wait",
@@ -90,6 +102,30 @@ def place_head_wait(runtime: DominoRuntime, final_layernorm, layer: int, chunk: 
     chunk.hidden = wait_for_dgrad_reduce(final_layernorm(chunk.hidden), slot)
 
 
+def chunk_logits(model: torch.nn.Module, runtime: DominoRuntime, chunk: ChunkState) -> None:
+    """The schedule's op after a chunk's final norm: its logits ``[s, b/p, V/tp]``, written
+    into its rows of the micro-batch's logits ``[s, b, V/tp]`` (the step's ``head_logits``,
+    made by the first chunk), without autograd.
+
+    ``model`` is the ``GPTModel`` whose output layer is called as a module, with the weight
+    ``GPTModel`` passes it (the word embeddings' where they are shared); the step's
+    ``head_weight`` records which, so that the output layer's call uses the logits only for that weight.
+    """
+    output_weight = None
+    if model.share_embeddings_and_output_weights:
+        output_weight = model.shared_embedding_or_output_weight()
+    with torch.no_grad():
+        logits, _ = model.output_layer(chunk.hidden, weight=output_weight)
+    step, split_dim = runtime.step, SPLIT_DIMS[runtime.config.split_along]
+    if step.head_logits is None:
+        shape = list(logits.shape)
+        shape[split_dim] = sum(other.hidden.shape[split_dim] for other in step.chunks)
+        step.head_logits = logits.new_empty(shape)
+        step.head_weight = model.output_layer.weight if output_weight is None else output_weight
+    start = sum(other.hidden.shape[split_dim] for other in step.chunks[: chunk.index])
+    step.head_logits.narrow(split_dim, start, logits.shape[split_dim]).copy_(logits)
+
+
 def output_layer_forward(
     module: ColumnParallelLinear,
     input_: torch.Tensor,
@@ -116,9 +152,10 @@ def output_layer_forward(
 class _OutputLayerChunkedDgrad(torch.autograd.Function):
     """``logits = X @ W^T`` on the joined ``X``; backward: per-chunk ``dX`` left in flight.
 
-    Inputs: the joined block output ``X`` ``[s, b, h]`` (read in forward, given no gradient)
-    and ``W`` ``[V/tp, h]``, then the chunk outputs ``X`` is made of (not read; the
-    gradients go to them). Autocast-decorated like Megatron-Core's linear.
+    Inputs: the hand-off, the joined block output ``X`` ``[s, b, h]`` (read in forward only
+    where the hand-off has no logits computed per chunk with ``W``, :func:`chunk_logits`;
+    given no gradient) and ``W`` ``[V/tp, h]``, then the chunk outputs ``X`` is made of (not
+    read; the gradients go to them). Autocast-decorated like Megatron-Core's linear.
     """
 
     @staticmethod
@@ -129,6 +166,8 @@ class _OutputLayerChunkedDgrad(torch.autograd.Function):
         ctx.slots, ctx.split_dim = handoff.slots, handoff.split_dim
         ctx.sizes = [chunk.shape[handoff.split_dim] for chunk in chunks]
         ctx.accumulate_in_main_grad = accumulate_in_main_grad
+        if handoff.logits is not None and handoff.logits_weight is weight:
+            return handoff.logits
         return torch.matmul(joined, weight.t())
 
     @staticmethod

@@ -23,7 +23,10 @@ mlp_projection         linear_fc2 GEMM (k pieces); launch its all-reduce(s)     
 
 and a final ``finish`` (wait, mlp bias-dropout-add) after the last layer of a segment; where
 the output layer takes its input gradient per chunk, the block's last finish also runs the
-final norm per chunk (:func:`with_head_wait`).
+final norm per chunk (:func:`with_head_wait`), and one more op, ``logits``, the chunk's
+output-layer GEMM (:func:`~megatron_domino.output_head.chunk_logits`): one tick after chunk
+``c``'s finish, so it runs after chunk ``c+1``'s last projection has launched its all-reduce
+and before chunk ``c+1``'s finish waits for it.
 
 **Wavefront.** At tick ``t`` chunk ``c`` runs its op ``t - c``. So chunk ``c+1``'s core runs
 between chunk ``c``'s projection (launch) and its next norm (wait): every forward all-reduce
@@ -274,7 +277,8 @@ def run_layers(
     """Run all ``layers`` on ``chunks`` (in place), one segment or one per layer.
 
     ``first_index`` is the block position of ``layers[0]`` (for labels). With
-    ``final_layernorm``, the last segment's finish ends :func:`with_head_wait`.
+    ``final_layernorm``, the last segment's finish ends :func:`with_head_wait`, followed by
+    the ``logits`` op where the runtime has one.
     """
     inter_layer = runtime.config.inter_layer
     segments: list[list[LayerOps]] = []
@@ -289,4 +293,7 @@ def run_layers(
         sequence = segment_ops(segment)
         if final_layernorm is not None and number == len(segments):
             sequence[-1] = with_head_wait(sequence[-1], runtime, final_layernorm)
+            if runtime.chunk_logits is not None:
+                logits = functools.partial(runtime.chunk_logits, runtime)
+                sequence.append(("logits", segment[-1].index, logits))
         run_wavefront(runtime, sequence, chunks)

@@ -27,6 +27,8 @@ from megatron_domino.config import DominoConfig
 from megatron_domino.recorder import NULL_RECORDER, NullRecorder
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from megatron_domino.collectives import DgradAllReduce, SequenceCollective
     from megatron_domino.end_handoffs import EmbeddingHandoff, HeadHandoff, PendingEmbedding
     from megatron_domino.row_output import DeferredRow, PendingReduce
@@ -94,6 +96,10 @@ class StepState:
     dgrad_slots: list[DgradAllReduce] = field(default_factory=list)
     #: The output layer's per-chunk input-gradient all-reduces (:mod:`megatron_domino.output_head`).
     head_slots: list[DgradAllReduce] = field(default_factory=list)
+    #: The micro-batch's logits ``[s, b, V/tp]``, filled chunk by chunk inside the schedule, and
+    #: the output-layer weight they were computed with (:func:`~megatron_domino.output_head.chunk_logits`).
+    head_logits: torch.Tensor | None = None
+    head_weight: torch.Tensor | None = None
     sequence_slots: list[SequenceCollective] = field(default_factory=list)
     #: Held weakly: they keep activation shards, which must go with the autograd graph.
     regathers: weakref.WeakSet[SavedInputRegather] = field(default_factory=weakref.WeakSet)
@@ -123,7 +129,8 @@ class DominoRuntime:
     ``sequence_parallel`` mirrors the model's setting: the residual stream is then
     ``[s/tp, b, h]`` and the row/column collectives are reduce-scatters and all-gathers.
     ``head_overlap`` says the model's output layer is bound to take its input gradient per
-    chunk in flight, and ``head_handoff`` is what the last block forward left it
+    chunk in flight; ``chunk_logits`` then computes a chunk's logits inside the schedule
+    (:func:`~megatron_domino.output_head.chunk_logits` on the model), and ``head_handoff`` is what the last block forward left it
     (:mod:`megatron_domino.output_head`); ``embedding_handoff`` is what the embedding left the
     next block forward (:mod:`megatron_domino.embedding_overlap`).
     """
@@ -142,6 +149,7 @@ class DominoRuntime:
         self.step: StepState | None = None
         self.last_step: StepState | None = None
         self.head_overlap = False
+        self.chunk_logits: Callable[[DominoRuntime, ChunkState], None] | None = None
         self.head_handoff: HeadHandoff | None = None
         self.embedding_handoff: EmbeddingHandoff | None = None
 

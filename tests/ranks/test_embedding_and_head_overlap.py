@@ -8,9 +8,10 @@ untied Llama shape (RoPE):
 * equivalence with stock Megatron-Core (loss and every gradient, the output and embedding
   weights included) for the batch split (p = 2, 4, with column pieces) and the sequence split;
 * the recorded step: ``p`` embedding all-reduces, the forward's first launches, chunk 0 first,
-  each but chunk 0's flying while an earlier chunk's first ops ran; ``p`` output-layer
-  all-reduces, the backward's first launches, last chunk first, each but the last chunk's
-  flying while another chunk's backward ran;
+  each but chunk 0's flying while an earlier chunk's first ops ran; each chunk's logits
+  computed inside the schedule while the next chunk's last MLP all-reduce flies (after its
+  launch, before its wait); ``p`` output-layer all-reduces, the backward's first launches, last
+  chunk first, each but the last chunk's flying while another chunk's backward ran;
 * where the ends stay stock: sequence parallelism, one chunk, (output layer) backward overlap
   off;
 * a block output that never reaches the output layer (the hand-off not taken) still trains.
@@ -44,20 +45,39 @@ SETTINGS = domino_configs("p2", "p4", "p2-k2", "s2")
 STOCK_ENDS = domino_configs("p1-k2", "p2-no-backward-overlap")
 
 
-def _end_spans(model, batch, config) -> dict[str, list[tuple]]:
+def _end_spans(model, batch, config) -> dict[str, list]:
     """The embedding's and the output layer's all-reduces of one recorded step, each as
-    (chunk, launch order in its direction, direction, overlapped another chunk's compute)."""
+    (chunk, launch order in its direction, direction, overlapped another chunk's compute);
+    and per chunk but the last, whether its ``logits`` op ran between the next chunk's last
+    MLP all-reduce launch and that chunk's wait for it."""
     recorder = EventRecorder()
     with apply_domino(model, config, recorder=recorder) as handle:
         model(**batch).mean().backward()
         assert not handle.runtime.last_step.pending_backward
-    spans = collective_spans(recorder.events())
-    return {
+    events = recorder.events()
+    spans = collective_spans(events)
+    found = {
         name: [
             (s.chunk, s.order, s.direction, bool(s.overlapped_by)) for s in spans if s.name == name
         ]
         for name in (EMBEDDING_COLLECTIVE, HEAD_COLLECTIVE)
     }
+    last = model.config.num_layers - 1
+
+    def times(kind, name, chunk):
+        return [
+            e.time_s
+            for e in events
+            if (e.kind, e.name, e.layer, e.chunk, e.direction) == (kind, name, last, chunk, "fwd")
+        ]
+
+    found["logits_under_next_chunk_ar"] = [
+        bool(times("begin", "logits", chunk))
+        and max(times("launch", "mlp_ar", chunk + 1)) <= min(times("begin", "logits", chunk))
+        and max(times("end", "logits", chunk)) <= min(times("wait_begin", "mlp_ar", chunk + 1))
+        for chunk in range(config.chunks - 1)
+    ]
+    return found
 
 
 def _bound(model, config) -> tuple[bool, bool]:
@@ -117,6 +137,7 @@ def test_both_ends_fly_per_chunk_and_match_stock():
                 assert [overlapped for chunk, *_, overlapped in recorded if chunk != chunks[0]] == [
                     True
                 ] * (p - 1), (name, setting, collective, recorded)
+            assert spans["logits_under_next_chunk_ar"] == [True] * (p - 1), (name, setting)
         assert found[name]["stock_ends"] == {
             "p1-k2": (False, False),
             "p2-no-backward-overlap": (True, False),

@@ -89,12 +89,14 @@ class _FakeLayerOps:
         pass
 
 
-def _segments(monkeypatch, inter_layer: bool, layers: int, final_layernorm=None):
+def _segments(monkeypatch, inter_layer: bool, layers: int, final_layernorm=None, chunk_logits=None):
     """The op sequences :func:`schedule.run_layers` hands the wavefront, one per segment."""
     sequences = []
     monkeypatch.setattr(schedule, "LayerOps", _FakeLayerOps)
     monkeypatch.setattr(schedule, "run_wavefront", lambda rt, seq, chunks: sequences.append(seq))
-    runtime = SimpleNamespace(config=DominoConfig(chunks=2, inter_layer=inter_layer))
+    runtime = SimpleNamespace(
+        config=DominoConfig(chunks=2, inter_layer=inter_layer), chunk_logits=chunk_logits
+    )
     schedule.run_layers(
         runtime, [object()] * layers, [], first_index=5, final_layernorm=final_layernorm
     )
@@ -122,6 +124,25 @@ def test_only_the_last_segments_finish_places_the_output_layers_wait(monkeypatch
     sequences = _segments(monkeypatch, inter_layer=False, layers=2, final_layernorm=norm)
     assert sequences[0][-1][2].__name__ == "finish"
     assert sequences[1][-1][2].__name__ == "finish_then_head_wait"
+
+
+def test_the_logits_op_follows_the_last_finish_where_the_runtime_computes_them(monkeypatch):
+    computed = []
+
+    def chunk_logits(runtime, chunk):
+        computed.append(chunk)
+
+    sequences = _segments(
+        monkeypatch,
+        inter_layer=False,
+        layers=2,
+        final_layernorm=object(),
+        chunk_logits=chunk_logits,
+    )
+    assert [name for name, _, _ in sequences[0]][-1] == "finish"
+    assert [(name, layer) for name, layer, _ in sequences[1][-2:]] == [("finish", 6), ("logits", 6)]
+    sequences[1][-1][2]("chunk 0")
+    assert computed == ["chunk 0"]
 
 
 def test_the_batch_split_cuts_samples_and_their_masks():

@@ -27,11 +27,17 @@ _MODEL_H512 = dict(_MODEL, hidden_size=512, num_attention_heads=8, ffn_hidden_si
 #: The Domino settings the benchmark runs (names: :mod:`megatron_domino.harness.settings`).
 SETTINGS = ("p2", "p4", "p2-k2", "p1-k2", "s2", "s4")
 _BATCH_SETTINGS = ("p2", "p4", "p2-k2", "p1-k2")
-#: Each case runs the settings it lists that were asked for. ``llama-h1024-mb1`` has the
+#: Each case runs the settings it lists that were asked for. ``gpt-h1024-l8`` is ``gpt-h1024``
+#: twice as deep, so that a result is not carried by the model's two ends (the first chunk's
+#: embedding all-reduce and the last chunk's final one, which no schedule can hide: each
+#: weighs half as much there). ``llama-h1024-mb1`` has the
 #: other cases' 1024 tokens per micro-batch in one sample, where only the column split and the
 #: sequence split have something to split.
 CASES = {
     "gpt-h1024": dict(model=_MODEL, micro_batch_size=4, settings=_BATCH_SETTINGS),
+    "gpt-h1024-l8": dict(
+        model=dict(_MODEL, num_layers=8), micro_batch_size=4, settings=_BATCH_SETTINGS
+    ),
     "gpt-h512": dict(model=_MODEL_H512, micro_batch_size=4, settings=_BATCH_SETTINGS),
     "llama-h1024": dict(model=_LLAMA, micro_batch_size=4, settings=_BATCH_SETTINGS),
     "gpt-h1024-sp": dict(
