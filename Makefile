@@ -8,6 +8,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test test-fast test-te test-slurm demo bench gpu-check lint clean
 
+# The measurement lab (lab/: bench, GPU check, loss parity, activation memory, the tests' rank
+# launchers) is not installed with the package: it runs from this checkout, put first on the
+# path of every command here (and of the processes they start).
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+
 # Transformer Engine's own Python, which the TE tests run on the CPU (tests/te_cpu): a folder of
 # its own beside the venv, not in it (an importable TE without its compiled library makes
 # Megatron-Core's import fail in every other process). `make test-te TE=2.20.2` runs the TE
@@ -74,7 +79,7 @@ $(DS_STAMP): $(STAMP)
 	touch $(DS_STAMP)
 
 bench: $(STAMP) $(if $(DS),$(DS_STAMP))
-	$(VENV)/bin/megatron-domino-bench $(if $(QUICK),--quick) $(if $(DS),--deepspeed) \
+	$(PY) -m lab.bench $(if $(QUICK),--quick) $(if $(DS),--deepspeed) \
 		$(if $(LINK),--link $(LINK)) $(BENCH_ARGS)
 
 # One GPU, no Transformer Engine, under 10 minutes (see docs/gpu_check.md).
@@ -82,8 +87,8 @@ gpu-check: $(STAMP)
 	scripts/gpu_check.sh $(if $(QUICK),--quick)
 
 lint: $(STAMP)
-	$(PY) -m ruff check megatron_domino tests pretrain_gpt_domino.py examples patches
-	$(PY) -m ruff format --check megatron_domino tests pretrain_gpt_domino.py examples patches
+	$(PY) -m ruff check megatron_domino lab tests pretrain_gpt_domino.py examples patches
+	$(PY) -m ruff format --check megatron_domino lab tests pretrain_gpt_domino.py examples patches
 
 clean:
 	rm -rf $(VENV) data_cache runs bench_results loss_parity ab_results gpu_check_results

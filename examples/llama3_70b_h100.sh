@@ -18,7 +18,7 @@
 #   across chunks; one of the two, and this recipe runs Domino.
 # * CUDA graphs: per-layer graph scopes are refused by design (they replay a layer's forward
 #   and bypass the block's chunked schedule); --cuda-graph-impl full_iteration is refused
-#   until a GPU has captured and replayed a Domino step (megatron-domino-gpu-check --parts
+#   until a GPU has captured and replayed a Domino step (python -m lab.gpu_check --parts
 #   capture; the CPU-side proof is tests/ranks/test_capture_safety.py). At micro-batch 1 with
 #   Domino's doubled host work per layer, this is the launch overhead left on the table.
 # Knobs are the srun recipe's (examples/README.md); this file only sets the layout's

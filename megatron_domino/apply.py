@@ -21,14 +21,14 @@ import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlock
 
-from megatron_domino.block import domino_block_forward
-from megatron_domino.config import DominoConfig, DominoUnsupportedError
-from megatron_domino.output_head import chunk_logits
+from megatron_domino.base.config import DominoConfig, DominoUnsupportedError
+from megatron_domino.base.recorder import NULL_RECORDER, NullRecorder
+from megatron_domino.base.version import check_megatron_core_version
+from megatron_domino.engine.block import domino_block_forward
+from megatron_domino.engine.output_head import chunk_logits
+from megatron_domino.engine.state import DominoRuntime
 from megatron_domino.plan import LAYER_PLAN, layer_forward, model_end_forwards
-from megatron_domino.recorder import NULL_RECORDER, NullRecorder
 from megatron_domino.refusals import model_problems, raise_problems, sharded_problems
-from megatron_domino.state import DominoRuntime
-from megatron_domino.version import check_megatron_core_version
 
 __all__ = ["DominoHandle", "apply_domino"]
 
@@ -44,7 +44,7 @@ class DominoHandle:
     """What ``apply_domino`` bound, so it can be reverted; also a context manager.
 
     Attributes:
-        runtime: the model's :class:`~megatron_domino.state.DominoRuntime` (its ``last_step``
+        runtime: the model's :class:`~megatron_domino.engine.state.DominoRuntime` (its ``last_step``
             and ``recorder`` are what tests and the overlap report read).
     """
 
@@ -77,7 +77,7 @@ def apply_domino(
             it) built from the local or the Transformer Engine layer spec, bare or wrapped
             (DDP, Float16Module): its single ``TransformerBlock`` is found by type.
         config: the Domino settings.
-        recorder: an :class:`~megatron_domino.recorder.EventRecorder` to record the schedule.
+        recorder: an :class:`~megatron_domino.base.recorder.EventRecorder` to record the schedule.
     Raises:
         DominoUnsupportedError: for any model feature Domino cannot run with (see the message).
         UnsupportedMegatronVersion: outside the tested Megatron-Core releases.

@@ -26,7 +26,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from megatron_domino.config import AUTO, DominoConfig, DominoConfigError
+from megatron_domino.base.config import AUTO, DominoConfig, DominoConfigError
+from megatron_domino.base.settings import setting_name
 
 __all__ = [
     "AUTO",
@@ -34,7 +35,6 @@ __all__ = [
     "NoCandidateError",
     "add_auto_tune_args",
     "candidate_configs",
-    "setting_name",
 ]
 
 #: (split, chunks, column chunks) tried, cheapest-looking first.
@@ -51,15 +51,8 @@ _CANDIDATES = (
 
 class NoCandidateError(DominoConfigError):
     """No Domino setting can run this model; the message gives each candidate's reason (a
-    :class:`~megatron_domino.config.DominoConfigError`, so both entry points refuse it in one
+    :class:`~megatron_domino.base.config.DominoConfigError`, so both entry points refuse it in one
     message like any other bad setting)."""
-
-
-def setting_name(config: DominoConfig) -> str:
-    """The short name of a setting (``p2``, ``p2-k2``, ``s4``; :mod:`~megatron_domino.harness.settings`
-    reads the same grammar)."""
-    name = f"{'s' if config.split_along == 'sequence' else 'p'}{config.chunks}"
-    return name + (f"-k{config.column_chunks}" if config.column_chunks > 1 else "")
 
 
 def candidate_configs(

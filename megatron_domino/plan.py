@@ -1,7 +1,7 @@
 """What Domino binds onto a model: one table, read by :mod:`.apply` and by :mod:`.refusals`.
 
 Domino replaces the ``forward`` of a few module *instances* of a Megatron-Core ``GPTModel``:
-its transformer block (:func:`megatron_domino.block.domino_block_forward`) and, in every
+its transformer block (:func:`megatron_domino.engine.block.domino_block_forward`) and, in every
 layer, the modules of :data:`LAYER_PLAN`. Each entry names the module by its attribute path
 from the ``TransformerLayer``, its kind, and the Megatron-Core class whose ``forward`` the
 stock layer would run there. :func:`layer_forward` picks Domino's forward for the module found
@@ -42,13 +42,13 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from megatron_domino.chunk_attention import core_attention_forward, local_attend, te_attend
-from megatron_domino.config import DominoConfig
-from megatron_domino.embedding_overlap import embedding_forward, embedding_problems
-from megatron_domino.linears import capture_row_input, column_parallel_forward
-from megatron_domino.output_head import output_layer_forward, output_layer_problems
-from megatron_domino.row_output import LOCAL_ROW
-from megatron_domino.te_linears import TE_ROW, te_column_parallel_forward
+from megatron_domino.base.config import DominoConfig
+from megatron_domino.engine.chunk_attention import core_attention_forward, local_attend, te_attend
+from megatron_domino.engine.embedding_overlap import embedding_forward, embedding_problems
+from megatron_domino.engine.linears import capture_row_input, column_parallel_forward
+from megatron_domino.engine.output_head import output_layer_forward, output_layer_problems
+from megatron_domino.engine.row_output import LOCAL_ROW
+from megatron_domino.engine.te_linears import TE_ROW, te_column_parallel_forward
 
 __all__ = [
     "LAYER_PLAN",
@@ -129,7 +129,7 @@ def layer_forward(target: Target, module: torch.nn.Module, config: DominoConfig)
     column-parallel linear needs Domino's forward for backward overlap (which sequence
     parallelism requires); a TE one always does: under sequence parallelism it takes over the
     all-gather, and in every case it keeps the chunks' weight gradients accumulating
-    (:mod:`megatron_domino.te_linears`). The core attention is Domino's under the sequence
+    (:mod:`megatron_domino.engine.te_linears`). The core attention is Domino's under the sequence
     split only.
     """
     if target.kind == "row":

@@ -1,14 +1,14 @@
 """Everything Domino refuses to run with, and why: one module, so a reader finds every rule.
 
 If the user asked for Domino and it cannot run, it raises
-:class:`~megatron_domino.config.DominoUnsupportedError` listing every reason with its fix;
+:class:`~megatron_domino.base.config.DominoUnsupportedError` listing every reason with its fix;
 it never falls back to the stock path silently (an A/B comparison would become baseline vs
 baseline). The rules come in three levels, each a function returning the reasons:
 
 * :func:`config_problems`: what a ``TransformerConfig`` and the TP size say (features in
   :data:`REFUSED_FEATURES`, recompute, the shapes, Transformer Engine settings). It needs no
   model, so the training script runs it on the parsed flags before anything is built
-  (:func:`megatron_domino.megatron_lm.check_args`, with :func:`fsdp_problems`);
+  (:func:`megatron_domino.training.megatron_lm.check_args`, with :func:`fsdp_problems`);
 * :func:`model_problems`: the same on a built block, plus what only the built modules show:
   FSDP-wrapped layers (:func:`sharded_problems`, checked again at each forward), and every
   target of :data:`megatron_domino.plan.LAYER_PLAN` being a module Domino knows
@@ -31,10 +31,10 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from megatron_domino.config import DominoConfig, DominoUnsupportedError
+from megatron_domino.base.config import DominoConfig, DominoUnsupportedError
+from megatron_domino.base.version import check_transformer_engine_version
 from megatron_domino.plan import LAYER_PLAN, LINEARS, Target, is_te_core_attention, is_te_linear
-from megatron_domino.te_spec import TENormsApartLayer
-from megatron_domino.version import check_transformer_engine_version
+from megatron_domino.specs.te_spec import TENormsApartLayer
 
 __all__ = [
     "REFUSED_FEATURES",
@@ -69,7 +69,7 @@ REFUSED_FEATURES = (
         "cuda_graph_impl",
         lambda v: v == "full_iteration",
         "--cuda-graph-impl full_iteration waits for a GPU to capture and replay a Domino step "
-        "(megatron-domino-gpu-check --parts capture; the CPU-side checks pass, "
+        "(python -m lab.gpu_check --parts capture; the CPU-side checks pass, "
         "tests/ranks/test_capture_safety.py); set --cuda-graph-impl none until then",
     ),
     ("num_moe_experts", lambda v: v is not None, "MoE layers are not supported; use a dense model"),
@@ -148,7 +148,7 @@ def recompute_problems(granularity: str | None, modules, *, fp8: bool) -> list[s
     Selective recompute of ``core_attn`` runs inside Megatron's ``SelfAttention``, which the
     schedule calls per chunk, so each chunk's core attention is checkpointed on its own (no
     collective inside). Full recompute checkpoints ranges of layers, each run as one Domino
-    step (:func:`megatron_domino.block.layer_groups`). Recompute of the norms or the MLP wraps
+    step (:func:`megatron_domino.engine.block.layer_groups`). Recompute of the norms or the MLP wraps
     code that Domino re-sequences; full recompute with FP8 needs TE's own checkpoint.
     """
     if granularity == "full" and fp8:
@@ -294,7 +294,7 @@ def pipeline_stage_problems(model_config) -> list[str]:
 
 def _sequence_split_config_problems(model_config) -> list[str]:
     """Under sequence parallelism the sequence split runs on a chunk-major layout
-    (:mod:`megatron_domino.chunking`); ``s`` divisible by ``p * TP`` is checked with the shapes."""
+    (:mod:`megatron_domino.engine.chunking`); ``s`` divisible by ``p * TP`` is checked with the shapes."""
     problems = []
     modules = model_config.recompute_modules or ()
     if model_config.recompute_granularity == "selective" and "core_attn" in modules:
@@ -308,7 +308,7 @@ def _sequence_split_config_problems(model_config) -> list[str]:
 #: The FP8 recipes Domino runs on TE layers: ``delayed`` (scales from the amax history, the
 #: same for every chunk), ``tensorwise`` (each cast's own amax, reduced over the TP group
 #: where stock reduces it: one scale per chunk instead of stock's one per micro-batch,
-#: :mod:`megatron_domino.te_fp8_inputs`) and ``blockwise`` (1 x 128 tiles along ``h`` for
+#: :mod:`megatron_domino.communication.te_fp8_inputs`) and ``blockwise`` (1 x 128 tiles along ``h`` for
 #: activations, so the forward's scales are stock's whatever the chunks).
 _FP8_RECIPES_RUN = (Fp8Recipe.delayed.value, Fp8Recipe.tensorwise.value, Fp8Recipe.blockwise.value)
 #: Why the others are refused, and what to run instead.
@@ -376,7 +376,7 @@ TE_FUSED_NORM_UNDER_SP = (
     "column-parallel linears: on the fused TELayerNormColumnParallelLinear it could only "
     "gather the pre-norm residual, so the norm would run tp times and keep the whole "
     "sequence for backward (stock TE norms the shard and gathers the norm output); add "
-    "--spec megatron_domino.te_spec te_norms_apart_block_spec (TE's TENorm + "
+    "--spec megatron_domino.specs.te_spec te_norms_apart_block_spec (TE's TENorm + "
     "TEColumnParallelLinear: the same parameters, torch_dist checkpoints load either way; "
     "pretrain_gpt_domino.py and the patched pretrain_gpt.py both take it), or drop "
     "--sequence-parallel"
@@ -431,7 +431,7 @@ def model_problems(block: TransformerBlock, config: DominoConfig) -> list[str]:
 def _sequence_split_problems(block: TransformerBlock) -> list[str]:
     """What the sequence split needs of the built layers: token ranges of a causal sequence,
     attended by Megatron-Core's local attention or Transformer Engine's, each given a chunk's
-    queries against more keys (see :mod:`megatron_domino.chunk_attention`; the config-level
+    queries against more keys (see :mod:`megatron_domino.engine.chunk_attention`; the config-level
     needs are in :func:`config_problems`)."""
     problems = []
     for index, layer in enumerate(block.layers):
@@ -459,7 +459,7 @@ def _sequence_split_problems(block: TransformerBlock) -> list[str]:
 
 def layer_problems(layer: torch.nn.Module) -> list[str]:
     """Structural checks: Domino calls these submodules itself, so they must be the stock ones
-    (:class:`~megatron_domino.te_spec.TENormsApartLayer` differs from Megatron's only in how it
+    (:class:`~megatron_domino.specs.te_spec.TENormsApartLayer` differs from Megatron's only in how it
     saves and loads checkpoints)."""
     if type(layer) not in (TransformerLayer, TENormsApartLayer) or layer.is_moe_layer:
         return [f"{type(layer).__name__} is not a dense Megatron-Core TransformerLayer"]

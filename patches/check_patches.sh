@@ -18,7 +18,7 @@
 # ref gives its recorded result (with REFs: when each has a patch that applies and a release
 # megatron-domino accepts), 1 otherwise.
 #
-# Exit status 2: a usage error. The tested range is read from megatron_domino.version (the
+# Exit status 2: a usage error. The tested range is read from megatron_domino.base.version (the
 # installed megatron-domino, else this repository's); PYTHON (default python3, which needs
 # `packaging`) reads it and the in-tree version (megatron/core/package_info.py).
 set -uo pipefail
@@ -38,7 +38,7 @@ found = runpy.run_path(sys.argv[1]).get("__version__", "?")
 try:
     sys.path.append(sys.argv[2])
     from packaging.version import Version
-    from megatron_domino.version import TESTED_MEGATRON_CORE
+    from megatron_domino.base.version import TESTED_MEGATRON_CORE
 except Exception:
     print(found, "unknown", "?")
 else:

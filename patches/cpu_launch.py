@@ -104,7 +104,7 @@ def main() -> None:
 
     from megatron.training import training
 
-    from megatron_domino.harness.patch import Patch
+    from megatron_domino.runtime.patch import Patch
     from megatron_domino.training.loop_runtime import megatron_loop_runtime
 
     record = os.environ.get("CPU_LAUNCH_RECORD")

@@ -28,7 +28,7 @@ The checkout's ``megatron.core`` and ``megatron.training`` must come first on ``
 
 On a checkout whose Megatron-Core megatron-domino refuses (``main``: 0.20), parts 2 and 3
 check instead that the build and the training run without ``--domino`` work and that
-``--domino`` is refused with :class:`~megatron_domino.version.UnsupportedMegatronVersion`'s
+``--domino`` is refused with :class:`~megatron_domino.base.version.UnsupportedMegatronVersion`'s
 message. Exit status 0 and ``SMOKE OK`` when every check passes.
 """
 
@@ -138,8 +138,8 @@ def part_imports() -> None:
         domino["parsed"],
     )
     check(
-        "with --domino: megatron_domino.megatron_lm imported",
-        "megatron_domino.megatron_lm" in domino["modules"],
+        "with --domino: megatron_domino.training.megatron_lm imported",
+        "megatron_domino.training.megatron_lm" in domino["modules"],
     )
     check(
         "--domino-chunks without --domino: rejected by Megatron's parser",
@@ -157,7 +157,7 @@ def _build(extra: list[str]):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.training import get_args, global_vars
 
-    from megatron_domino.harness.patch import Patch
+    from megatron_domino.runtime.patch import Patch
 
     captured = {}
 
@@ -248,7 +248,7 @@ def build_on_rank(domino_runs: bool) -> dict:
 
 def part_build(domino_runs: bool) -> None:
     print("2. build: the patched __main__ up to pretrain(), GPTModelBuilder, two gloo ranks")
-    from megatron_domino.harness.ranks import run_ranks
+    from lab.launch.ranks import run_ranks
 
     reports = run_ranks(
         "__main__:build_on_rank", 2, device="cpu", args=(domino_runs,), timeout_s=600
@@ -347,9 +347,9 @@ def part_train(domino_runs: bool) -> None:
             all(r["tp_size"] == 2 and r["domino_bound"] is False for r in stock),
         )
         check(
-            "without --domino: neither megatron_domino.megatron_lm nor .apply imported",
+            "without --domino: neither megatron_domino.training.megatron_lm nor .apply imported",
             not any(
-                {"megatron_domino.megatron_lm", "megatron_domino.apply"}
+                {"megatron_domino.training.megatron_lm", "megatron_domino.apply"}
                 & set(r["megatron_domino_modules"])
                 for r in stock
             ),
@@ -405,10 +405,10 @@ def part_train(domino_runs: bool) -> None:
 def main() -> int:
     if not SCRIPT.is_file() or "MLM" not in os.environ:
         sys.exit("usage: MLM=/path/to/patched/Megatron-LM PYTHONPATH=$MLM python cpu_smoke.py")
-    if "from megatron_domino.megatron_lm import attach" not in SCRIPT.read_text():
+    if "from megatron_domino.training.megatron_lm import attach" not in SCRIPT.read_text():
         sys.exit(f"{SCRIPT} is not patched: git apply {HERE}/megatron-lm-*.patch in {MLM}")
     warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    from megatron_domino.version import (
+    from megatron_domino.base.version import (
         UnsupportedMegatronVersion,
         check_megatron_core_version,
         imported_megatron_core_version,

@@ -10,7 +10,7 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-$( [[ -x "$ROOT/.venv/bin/python" ]] && echo "$ROOT/.venv/bin/python" || echo python3 )}"
-VERSION="$(PYTHONPATH="$ROOT" "$PYTHON" -c 'from megatron_domino.version import PINNED_MEGATRON_CORE; print(PINNED_MEGATRON_CORE)')"
+VERSION="$(PYTHONPATH="$ROOT" "$PYTHON" -c 'from megatron_domino.base.version import PINNED_MEGATRON_CORE; print(PINNED_MEGATRON_CORE)')"
 mkdir -p "$ROOT/wheels"
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The one-command GPU check: scripts/gpu_check.sh [flags of python -m megatron_domino.tools.gpu_check]
+# The one-command GPU check: scripts/gpu_check.sh [flags of python -m lab.gpu_check]
 #
 #   scripts/gpu_check.sh                     # the full check on CUDA (about 2-4 minutes, < 7 max)
 #   scripts/gpu_check.sh --quick             # smaller models, one GEMM shape
@@ -20,7 +20,7 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 
 before="$(readlink "$OUT_DIR/latest" 2>/dev/null || true)"
 status=0
-"$PYTHON" -m megatron_domino.tools.gpu_check --out-dir "$OUT_DIR" "$@" || status=$?
+"$PYTHON" -m lab.gpu_check --out-dir "$OUT_DIR" "$@" || status=$?
 after="$(readlink "$OUT_DIR/latest" 2>/dev/null || true)"
 if [[ -n "$after" && "$after" != "$before" ]]; then
     echo "gpu_check results: $OUT_DIR/$after"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check on a machine as it is: its own python3 and torch, no network, no venv.
 #
-#   scripts/gpu_check_offline.sh RESULTS_DIR [--quick] [flags of python -m megatron_domino.tools.gpu_check]
+#   scripts/gpu_check_offline.sh RESULTS_DIR [--quick] [flags of python -m lab.gpu_check]
 #
 #   scripts/gpu_check_offline.sh "$OUT/check" --quick    # under 4 minutes on one GPU
 #   scripts/gpu_check_offline.sh "$OUT/check"            # the full check, under 8 minutes
@@ -45,4 +45,4 @@ if ! "$PYTHON" -c 'import megatron.core' >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-exec "$PYTHON" -m megatron_domino.tools.gpu_check --run-dir "$RESULTS_DIR" "$@"
+exec "$PYTHON" -m lab.gpu_check --run-dir "$RESULTS_DIR" "$@"

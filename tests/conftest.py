@@ -1,15 +1,26 @@
 """The test tiers (``unit/``, ``ranks/``, ``runs/``, ``gpu/``: tests/README.md) share the helper
 modules of this folder (``tiny_models``, ``multiproc``, ``launch``, the stand-ins), imported by
-their plain names; spawned ranks inherit this path with the rest of ``sys.path``."""
+their plain names; spawned ranks inherit this path with the rest of ``sys.path``.
+
+The lab (``lab/``, beside the package and not installed) is imported from this checkout: its
+root goes first on ``sys.path`` and on ``PYTHONPATH``, which the subprocesses the tests start
+(torchrun, ``python -m lab.gpu_check``, the recipes) inherit."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 HELPERS = str(Path(__file__).resolve().parent)
-if HELPERS not in sys.path:
-    sys.path.insert(0, HELPERS)
+CHECKOUT = str(Path(HELPERS).parent)
+for folder in (CHECKOUT, HELPERS):  # HELPERS ends up first
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+if CHECKOUT not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [CHECKOUT, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    )
 
 import pytest  # noqa: E402 - the helpers' folder goes on the path first
 from te_cpu import installed_te_version, te_version_line  # noqa: E402

@@ -5,7 +5,7 @@ guard, which ``dist_checkpointing``'s spawned writer depends on, Megatron-LM's o
 parser and ``pretrain()``, one process per rank with torchrun's environment) rather than
 calling the loop in-process, so they exercise what a user runs. The ranks are forked from a
 server that imported torch, Megatron-Core and ``megatron.training`` once
-(:mod:`megatron_domino.harness.script_ranks`): about 12 s of imports per rank saved on each
+(:mod:`lab.launch.script_ranks`): about 12 s of imports per rank saved on each
 launch. ``torchrun=True`` launches under ``python -m torch.distributed.run`` itself (the smoke
 test does, so the torchrun path stays covered; the fault and recipe tests start torchrun or
 ``srun`` themselves). The CPU flags and the log format are
@@ -19,7 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_domino.harness.script_ranks import run_script
+from lab.launch.script_ranks import run_script
 from megatron_domino.training.runs import cpu_flags, read_records
 
 SCRIPT = Path(__file__).resolve().parent.parent / "pretrain_gpt_domino.py"

@@ -1,6 +1,6 @@
 """Run a test function on N gloo ranks (one process each) and collect the results.
 
-A thin front for :func:`megatron_domino.harness.ranks.run_ranks`, the spawner the GPU check uses too:
+A thin front for :func:`lab.launch.ranks.run_ranks`, the spawner the GPU check uses too:
 every rank enters the CPU runtime, initialises Megatron-Core's parallel state (TP = all ranks
 unless told otherwise), runs ``fn(*args)`` and tears the state down. ``fn`` must be a
 module-level function of an importable module (a test module is fine); its return value
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from megatron_domino.harness.ranks import CPU_PRELOAD, run_ranks
+from lab.launch.ranks import CPU_PRELOAD, run_ranks
 
 #: The fork server of the Transformer Engine tests' ranks: TE booted on the CPU
 #: (:mod:`te_cpu`) before Megatron-Core is imported, so Megatron's ``HAVE_TE`` is true there and

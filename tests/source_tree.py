@@ -1,5 +1,6 @@
 """This checkout's files as the static checks read them (``unit/test_docs_references.py``,
-``unit/test_import_order.py``): the repository root and the library's modules by name."""
+``unit/test_import_order.py``): the repository root, the package's modules and the lab's
+(``lab/``, beside the package) by name."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 PACKAGE = REPO / "megatron_domino"
+LAB = REPO / "lab"
 
 
 def module_name(path: Path) -> str:
@@ -16,5 +18,11 @@ def module_name(path: Path) -> str:
 
 
 def library_modules() -> dict[str, Path]:
-    """Every module of the library, by dotted name."""
+    """Every module of the package, by dotted name."""
     return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def checkout_modules() -> dict[str, Path]:
+    """Every module of the package and of the lab, by dotted name."""
+    lab = {module_name(path): path for path in sorted(LAB.rglob("*.py"))}
+    return {**library_modules(), **lab}

@@ -7,7 +7,7 @@ Everything here runs in ranks with TE's own Python booted (``run_on_ranks(..., t
   2 layers) on TE layers: Megatron-Core's TE spec (``TELayerNormColumnParallelLinear``,
   ``TERowParallelLinear``, ``TEDotProductAttention``) without sequence parallelism, and under it
   the layer Domino runs there, its norms apart (``TENorm`` + ``TEColumnParallelLinear``,
-  :mod:`megatron_domino.te_spec`; the fused module is refused under SP).
+  :mod:`megatron_domino.specs.te_spec`; the fused module is refused under SP).
 * :class:`TECalls`: each TE linear and attention call as TE received it. Domino calls
   ``type(module).forward(module, x)``, so module hooks do not fire; instead, for the life of
   the context, the ``forward`` of TE's ``Linear``, ``LayerNormLinear`` and
@@ -36,8 +36,8 @@ from collections.abc import Iterator
 import torch
 from tiny_models import LLAMA_STYLE
 
-from megatron_domino.harness.gpt_model import GPTOptions
-from megatron_domino.te_spec import te_norms_apart_layer_spec
+from lab.models.gpt_model import GPTOptions
+from megatron_domino.specs.te_spec import te_norms_apart_layer_spec
 
 LAYERS = 2
 #: FP8 delayed scaling (``--fp8-format hybrid --fp8-recipe delayed``) with an amax history of
@@ -168,7 +168,7 @@ class TECalls:
 
     def take(self) -> list[list]:
         """Each module's calls since the last take (the log starts afresh), in model order:
-        ``observe`` of :func:`~megatron_domino.analysis.equivalence.compare_with_stock`."""
+        ``observe`` of :func:`~lab.analysis.equivalence.compare_with_stock`."""
         taken = [self.calls[id(m)][:] for m in self.modules]
         for calls in self.calls.values():
             calls.clear()

@@ -380,10 +380,10 @@ recipe_pretrain_args() {
     [[ ${MODEL_CFG[DISABLE_BIAS_LINEAR]} == 1 ]] && GPT_MODEL_ARGS+=(--disable-bias-linear)
     [[ ${MODEL_CFG[UNTIE_EMBEDDINGS_AND_OUTPUT_WEIGHTS]} == 1 ]] &&
         GPT_MODEL_ARGS+=(--untie-embeddings-and-output-weights)
-    # Under SP Domino runs TE's layer with its norms apart (megatron_domino/te_spec.py: the same
+    # Under SP Domino runs TE's layer with its norms apart (megatron_domino/specs/te_spec.py: the same
     # parameters, checkpoint-compatible); both arms build it, so their weights start equal.
     [[ $TRANSFORMER_IMPL == transformer_engine ]] && ((SEQUENCE_PARALLEL)) &&
-        GPT_MODEL_ARGS+=(--spec megatron_domino.te_spec te_norms_apart_block_spec)
+        GPT_MODEL_ARGS+=(--spec megatron_domino.specs.te_spec te_norms_apart_block_spec)
 
     # GPT-3 and Llama-2 both train with AdamW(0.9, 0.95), weight decay 0.1, clipping at 1.0
     # and a cosine schedule to 10 % of the peak learning rate.

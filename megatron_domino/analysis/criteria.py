@@ -2,7 +2,7 @@
 
 Pure functions of the :class:`~megatron_domino.analysis.spans.CollectiveSpan` s of one recorded
 forward and backward, shared by the overlap tests' criteria and
-``python -m megatron_domino.tools.gpu_check``. They are orderings, not timings, so they hold on any
+``python -m lab.gpu_check``. They are orderings, not timings, so they hold on any
 machine load and with CPU wall-clock or CUDA-event times alike.
 
 Counts, per layer (collective names end in ``_ar``, ``_ag``, ``_rs`` or ``_regather``):
@@ -10,9 +10,9 @@ Counts, per layer (collective names end in ``_ar``, ``_ag``, ``_rs`` or ``_regat
 * without sequence parallelism: ``2 p k`` forward all-reduces (attention projection and fc2,
   ``p`` chunks, ``k`` column pieces) and, with backward overlap, ``2 p`` input-gradient
   all-reduces (QKV and fc1); and once per step, where the embedding launches its all-reduce
-  per chunk (``embedding``, :mod:`megatron_domino.embedding_overlap`), ``p`` more forward,
+  per chunk (``embedding``, :mod:`megatron_domino.engine.embedding_overlap`), ``p`` more forward,
   and where the output layer takes its input gradient per chunk (``output_layer``,
-  :mod:`megatron_domino.output_head`), ``p`` more backward;
+  :mod:`megatron_domino.engine.output_head`), ``p`` more backward;
 * with it: ``2 p`` all-gathers (QKV and fc1 inputs) and ``2 p k`` reduce-scatters (projection
   and fc2 outputs) in forward; in backward each keeps its forward twin's name (the gather's
   twin reduce-scatters dX, the scatter's twin gathers dY), so the same counts again, plus
@@ -38,9 +38,9 @@ from __future__ import annotations
 from collections import Counter
 
 from megatron_domino.analysis.spans import CollectiveSpan
-from megatron_domino.config import DominoConfig
-from megatron_domino.embedding_overlap import EMBEDDING_COLLECTIVE
-from megatron_domino.output_head import HEAD_COLLECTIVE
+from megatron_domino.base.config import DominoConfig
+from megatron_domino.engine.embedding_overlap import EMBEDDING_COLLECTIVE
+from megatron_domino.engine.output_head import HEAD_COLLECTIVE
 
 __all__ = [
     "collective_counts",

@@ -2,7 +2,7 @@
 
 Pure functions of :class:`~megatron_domino.analysis.spans.CollectiveSpan` lists, so they are tested
 on synthetic spans without processes. The training loop (``--domino-report``) records a few
-iterations with an :class:`~megatron_domino.recorder.EventRecorder` and prints
+iterations with an :class:`~megatron_domino.base.recorder.EventRecorder` and prints
 :func:`report_lines` after each.
 
 For every layer and direction the report gives the collectives' *in-flight* time (launch to
@@ -36,8 +36,8 @@ from megatron_domino.analysis.spans import (
     overlap_share,
     summarize,
 )
-from megatron_domino.embedding_overlap import EMBEDDING_COLLECTIVE
-from megatron_domino.output_head import HEAD_COLLECTIVE
+from megatron_domino.engine.embedding_overlap import EMBEDDING_COLLECTIVE
+from megatron_domino.engine.output_head import HEAD_COLLECTIVE
 
 DIRECTIONS = ("fwd", "bwd")
 _DIRECTION_WORDS = {"fwd": "forward", "bwd": "backward"}
@@ -47,7 +47,7 @@ _DIRECTION_WORDS = {"fwd": "forward", "bwd": "backward"}
 class LayerRow(WithOverlapShare):
     """Totals of one layer's collectives in one direction (all chunks, pieces and passes);
     ``layer`` is the layer's number, or ``emb`` / ``head`` for the embedding's and the output
-    layer's (:mod:`megatron_domino.embedding_overlap`, :mod:`megatron_domino.output_head`)."""
+    layer's (:mod:`megatron_domino.engine.embedding_overlap`, :mod:`megatron_domino.engine.output_head`)."""
 
     layer: str
     direction: str

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_domino.recorder import BEGIN, END, LAUNCH, WAIT_BEGIN, WAIT_END, Event
+from megatron_domino.base.recorder import BEGIN, END, LAUNCH, WAIT_BEGIN, WAIT_END, Event
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def overlap_share(in_flight_s: float, exposed_s: float) -> float | None:
     in-flight time (launch to end of wait) during which the caller was not blocked in a wait;
     ``None`` with nothing in flight.
 
-    Not the bench's *hidden fraction* (:mod:`megatron_domino.tools.bench.metrics`, from step
+    Not the bench's *hidden fraction* (:mod:`lab.bench.metrics`, from step
     times against a run without communication): this one is read off launches and waits, so it
     is an upper bound on the share of the communication's own duration that was hidden (a
     collective that finished long before its wait counts as fully overlapped).

@@ -6,7 +6,7 @@ share all of that: :class:`DominoAB` is a small state machine fed one step at a 
 runs the run's first step with Domino (everyone's warm-up), one stock step (stock's warm-up),
 then ``N`` Domino and ``N`` stock steps alternately, and Domino from then on. The loop
 (:mod:`.loop_hooks`) reverts and re-applies Domino between optimizer steps as
-``--domino-chunks auto`` does (:meth:`~megatron_domino.megatron_lm.DominoModelHook.switch`):
+``--domino-chunks auto`` does (:meth:`~megatron_domino.training.megatron_lm.DominoModelHook.switch`):
 Domino computes what stock computes, so every step of the comparison is an ordinary training
 step and the run's losses are those of a run without it.
 

@@ -1,8 +1,8 @@
 """``--domino-report``: record Domino's schedule on a few iterations and report the overlap.
 
-The model chunks' Domino runtimes hold the :data:`~megatron_domino.recorder.NULL_RECORDER`
+The model chunks' Domino runtimes hold the :data:`~megatron_domino.base.recorder.NULL_RECORDER`
 (free) on every other iteration. For a reported iteration one
-:class:`~megatron_domino.recorder.EventRecorder` replaces it in every chunk's runtime for the
+:class:`~megatron_domino.base.recorder.EventRecorder` replaces it in every chunk's runtime for the
 whole optimizer step (every micro-batch's forward and backward), and the previous recorder is
 put back afterwards, even if the step raised. This is ``apply_domino(..., recorder=...)`` for
 one step without re-applying Domino: the patched modules read ``runtime.recorder`` during each
@@ -42,8 +42,8 @@ import torch
 from megatron_domino.training.domino_ab import DominoAB
 
 if TYPE_CHECKING:
-    from megatron_domino.recorder import EventRecorder
-    from megatron_domino.state import DominoRuntime
+    from megatron_domino.base.recorder import EventRecorder
+    from megatron_domino.engine.state import DominoRuntime
 
 __all__ = [
     "DominoOverlapReport",
@@ -145,7 +145,7 @@ class DominoOverlapReport:
             return
         # Imported here, as the report's other library modules: the flags above are parsed
         # on runs without --domino too, which import none of the library.
-        from megatron_domino.recorder import EventRecorder
+        from megatron_domino.base.recorder import EventRecorder
 
         recorder = EventRecorder()
         runtimes = self.runtimes()

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_domino.data.checks import check_indexed_dataset, check_sentencepiece_model
 from megatron_domino.data.files import PREPARE_COMMAND, DataFileError, require_readable_file
-from megatron_domino.harness.patch import Patch
+from megatron_domino.runtime.patch import Patch
 
 __all__ = ["CheckpointError", "check_run_inputs", "clear_load_errors"]
 

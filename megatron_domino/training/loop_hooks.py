@@ -8,7 +8,7 @@ by step needs a per-iteration source. The hooks wrap two functions the loop look
 * ``train_step``: with ``--log-json PATH``, one JSON line per optimizer step
   (``{"kind": "train", "iteration", "loss", "grad_norm", "learning_rate", "skipped",
   "seconds"}``); with ``--domino-report``, the steps of the reported iterations run with an
-  :class:`~megatron_domino.recorder.EventRecorder` in every model chunk's Domino runtime, and
+  :class:`~megatron_domino.base.recorder.EventRecorder` in every model chunk's Domino runtime, and
   the overlap report is printed after them (:mod:`.domino_report`);
   with ``--domino-chunks auto``, each step's time (the slowest rank's) goes to the tuner,
   which switches the setting between steps (:meth:`.DominoModelHook.tune`); the report
@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 from megatron.training import training as megatron_training
 
-from megatron_domino.config import AUTO
-from megatron_domino.harness.patch import Patch
+from megatron_domino.base.config import AUTO
+from megatron_domino.runtime.patch import Patch
 from megatron_domino.training.domino_ab import STOCK, DominoAB
 from megatron_domino.training.domino_report import (
     DominoOverlapReport,
@@ -168,10 +168,10 @@ class LoopHooks:
     @classmethod
     def from_args(cls, args: argparse.Namespace, domino_hook=None) -> LoopHooks:
         """The hooks ``args`` ask for (flags checked by :func:`loop_hook_problems`), around
-        ``domino_hook`` (:func:`~megatron_domino.megatron_lm.add_hook`'s, or ``None``)."""
+        ``domino_hook`` (:func:`~megatron_domino.training.megatron_lm.add_hook`'s, or ``None``)."""
         domino_ab = None
         if domino_hook is not None and args.domino_ab > 0:
-            from megatron_domino.autotune import setting_name
+            from megatron_domino.base.settings import setting_name
 
             domino_ab = DominoAB(setting_name(domino_hook.config), args.domino_ab)
         report = DominoOverlapReport.from_args(args, domino_hook, domino_ab)

@@ -1,14 +1,14 @@
 """What Megatron-LM's own training loop (``megatron.training.pretrain``) needs to run from the
 ``megatron-core`` wheel, and to run on a machine without CUDA.
 
-Two sets of :class:`~megatron_domino.harness.patch.Patch` es, each undone on exit:
+Two sets of :class:`~megatron_domino.runtime.patch.Patch` es, each undone on exit:
 
 * :data:`WHEEL_PATCHES`, on every machine: ``initialize_megatron`` compiles the dataset index
   helpers with ``make`` in ``megatron/core/datasets``, but the wheel ships them prebuilt
   (``helpers_cpp``) and without the Makefile, so rank 0 would exit. The replacement only
   checks that the prebuilt module imports, and says what to do when it does not.
 * :data:`CPU_LOOP_PATCHES`, without CUDA, on top of
-  :func:`~megatron_domino.harness.cpu_runtime.cpu_runtime` (device arguments, RNG, synchronisation):
+  :func:`~megatron_domino.runtime.cpu_runtime.cpu_runtime` (device arguments, RNG, synchronisation):
   the places where the loop itself insists on a GPU. Two of them would fail *silently* if
   they stopped applying (without a device count, Megatron skips creating the model-parallel
   groups and seeding the TP RNG tracker), which is why every patched attribute is checked
@@ -58,8 +58,8 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.training import arguments as megatron_arguments
 from megatron.training import training as megatron_training
 
-from megatron_domino.harness.cpu_runtime import cpu_runtime
-from megatron_domino.harness.patch import Patch
+from megatron_domino.runtime.cpu_runtime import cpu_runtime
+from megatron_domino.runtime.patch import Patch
 from megatron_domino.training.signal_shield import shield_from_job_signals
 
 __all__ = [

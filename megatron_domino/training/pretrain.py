@@ -8,22 +8,22 @@ The order is Megatron-LM's, with Domino's pieces where Megatron-LM leaves room f
    ``--log-json``/``--domino-report``/``--domino-ab`` (:func:`.flags.add_flags`, the patch's
    too); right after Megatron's
    ``validate_args``, and before it builds the tokenizer or opens any log, the checks run:
-   with ``--domino`` Domino's (:func:`~megatron_domino.megatron_lm.check_args`, which builds
-   the one :class:`~megatron_domino.config.DominoConfig` of the run), the flags this GPT path
+   with ``--domino`` Domino's (:func:`~megatron_domino.training.megatron_lm.check_args`, which builds
+   the one :class:`~megatron_domino.base.config.DominoConfig` of the run), the flags this GPT path
    does not implement, and the files the run reads (:func:`.inputs.check_run_inputs`), so a
    bad command line or a bad input file fails before anything is written;
 3. the model config is Megatron-LM's (``gpt_config_from_args``), with Domino's pre-wrap hook
    (every model chunk, before ``Float16Module``/DDP;
-   :func:`~megatron_domino.megatron_lm.add_hook`) and a check that the model-parallel layout
+   :func:`~megatron_domino.training.megatron_lm.add_hook`) and a check that the model-parallel layout
    and the TP RNG streams are the ones asked for;
 4. ``megatron.training.pretrain`` runs the rest, inside :func:`.loop_runtime.megatron_loop_runtime`
    and with :class:`.loop_hooks.LoopHooks` around its ``train_step`` and ``evaluate``; a
    checkpoint that does not fit fails with one line (:func:`.inputs.clear_load_errors`).
 
 Without ``--domino`` the run imports, of Domino, only its flags and errors
-(:mod:`megatron_domino.config` and :mod:`megatron_domino.parser_help`, no torch) and the
+(:mod:`megatron_domino.base.config` and :mod:`megatron_domino.training.parser_help`, no torch) and the
 version check: nothing that patches,
-schedules or refuses (``megatron_domino.megatron_lm`` and everything below it are imported
+schedules or refuses (``megatron_domino.training.megatron_lm`` and everything below it are imported
 only with ``--domino``).
 """
 
@@ -43,14 +43,15 @@ from megatron.training import arguments as megatron_arguments
 from megatron.training import pretrain
 from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
 
-from megatron_domino.config import (
+from megatron_domino.base.config import (
     DominoConfig,
     DominoConfigError,
     DominoUnsupportedError,
 )
+from megatron_domino.base.version import UnsupportedMegatronVersion, check_megatron_core_version
 from megatron_domino.data.files import DataFileError
-from megatron_domino.harness.distributed import export_torchrun_environment
-from megatron_domino.harness.patch import Patch
+from megatron_domino.runtime.distributed import export_torchrun_environment
+from megatron_domino.runtime.patch import Patch
 from megatron_domino.training.flags import add_flags
 from megatron_domino.training.gpt_steps import (
     forward_step,
@@ -60,7 +61,6 @@ from megatron_domino.training.gpt_steps import (
 from megatron_domino.training.inputs import CheckpointError, check_run_inputs, clear_load_errors
 from megatron_domino.training.loop_hooks import LoopHooks, loop_hook_problems
 from megatron_domino.training.loop_runtime import megatron_loop_runtime
-from megatron_domino.version import UnsupportedMegatronVersion, check_megatron_core_version
 
 __all__ = ["StartupError", "main"]
 
@@ -90,7 +90,7 @@ def _script_checks(args: argparse.Namespace) -> DominoConfig | None:
         raise StartupError("\n".join(problems))
     domino_config = None
     if args.domino:
-        from megatron_domino.megatron_lm import check_args
+        from megatron_domino.training.megatron_lm import check_args
 
         domino_config = check_args(args)
         _check_tuning_fits(args, domino_config)
@@ -162,7 +162,7 @@ def _check_layout(args: argparse.Namespace, model_chunks: list) -> list:
 
 def _announce_off(model_chunks: list) -> list:
     """Pre-wrap hook without ``--domino``: say so on rank 0 (with it, Domino's hook prints
-    its banner, :meth:`~megatron_domino.megatron_lm.DominoModelHook.banner`)."""
+    its banner, :meth:`~megatron_domino.training.megatron_lm.DominoModelHook.banner`)."""
     if torch.distributed.get_rank() == 0:
         print("> Domino: off", flush=True)
     return model_chunks
@@ -190,7 +190,7 @@ def _run() -> None:
     model_config.pre_wrap_hooks.append(functools.partial(_check_layout, args))
     hook = None
     if domino_config is not None:
-        from megatron_domino.megatron_lm import add_hook
+        from megatron_domino.training.megatron_lm import add_hook
 
         hook = add_hook(model_config, domino_config)
     else:

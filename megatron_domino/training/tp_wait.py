@@ -32,7 +32,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import layers, mappings
 
-from megatron_domino.harness.patch import Patch
+from megatron_domino.runtime.patch import Patch
 
 __all__ = ["TPWaitClock"]
 

@@ -8,7 +8,7 @@ first on a TE machine:
     pytest tests/gpu/test_transformer_engine_gpu.py -v
 
 Each case trains a small Llama-style model (RMSNorm, SwiGLU, RoPE, GQA) for 20 iterations at
-TP = 2 (micro-batch 4, or 1 for the sequence split), without and with ``--domino``, through ``python -m megatron_domino.tools.loss_parity``
+TP = 2 (micro-batch 4, or 1 for the sequence split), without and with ``--domino``, through ``python -m lab.loss_parity``
 (same seed, data and initial weights), and bounds the largest loss difference. Dropout is 0.
 
 Tolerances (absolute, on losses around 5-10): Domino runs the same GEMMs on fewer rows, so only
@@ -27,7 +27,7 @@ import json
 import pytest
 import torch
 
-from megatron_domino.tools import loss_parity
+from lab import loss_parity
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformer_engine") is None or torch.cuda.device_count() < 2,
@@ -83,7 +83,7 @@ CASES = {
 
 #: Under SP Domino runs TE's layer with its norms apart (both arms build it, so their weights
 #: start equal).
-NORMS_APART = ["--spec", "megatron_domino.te_spec", "te_norms_apart_block_spec"]
+NORMS_APART = ["--spec", "megatron_domino.specs.te_spec", "te_norms_apart_block_spec"]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

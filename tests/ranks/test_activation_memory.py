@@ -4,16 +4,16 @@ Stock sequence parallelism keeps each column-parallel linear's input as this ran
 ``[s/tp, b, h]`` (under FP8 on Transformer Engine layers: the 1-byte FP8 shard only) and
 gathers it again in backward; Domino gathers that input ahead (in flight behind another
 chunk's work), and must still keep only that shard
-(:class:`megatron_domino.saved_shards.SavedInputRegather`). TE casts each weight to FP8 once per
+(:class:`megatron_domino.communication.saved_shards.SavedInputRegather`). TE casts each weight to FP8 once per
 global batch; so must Domino. And chunking changes no collective's payload in either direction:
 under FP8 stock TE gathers the norm output forward and the output gradient backward in FP8.
-Measured with :mod:`megatron_domino.tools.activation_memory` (one forward and backward of a
+Measured with :mod:`lab.activation_memory` (one forward and backward of a
 2-layer Llama-shaped bf16 model, h = 256, s = 128, micro-batch 4, Domino p = 2, SP on) for
 Megatron's local linears and Transformer Engine's own layers (TE's Python over the CPU backend,
 ``tests/te_cpu``), bf16 and FP8 (delayed scaling); the bytes counted are every storage the
 forward leaves alive until the backward, not only what passes autograd's saved-tensor hooks
 (a bf16 shard kept beside the FP8 one is not saved by autograd, and was missed that way).
-``python -m megatron_domino.tools.activation_memory --tp 2 4 8 --impl local te --precision bf16
+``python -m lab.activation_memory --tp 2 4 8 --impl local te --precision bf16
 fp8 --shape llama coincident`` prints the whole table.
 
 The regathered inputs give the same gradients: ``test_domino_sequence_parallel.py``,
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_domino.tools.activation_memory import measure
+from lab.activation_memory import measure
 
 pytestmark = pytest.mark.te
 
@@ -36,7 +36,7 @@ LIMIT = 1.02
 def test_domino_keeps_stock_live_bytes_casts_and_collective_bytes():
     """TP 2 and 4, bf16 and FP8 (TE): FP8 casts and TP payload forward and backward equal to
     stock's; live bytes within 1.02x of stock's (TE: the layer with its norms apart,
-    ``megatron_domino.te_spec``, which Domino runs under SP)."""
+    ``megatron_domino.specs.te_spec``, which Domino runs under SP)."""
     results = measure([2, 4], ["local", "te"], ["bf16", "fp8"], ["llama"], timeout_s=600)
     for row in results:
         print(row)

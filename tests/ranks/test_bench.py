@@ -13,9 +13,9 @@ import math
 from multiproc import run_on_ranks
 from tiny_models import TINY
 
-from megatron_domino.harness.settings import setting
-from megatron_domino.tools.bench.metrics import ROW_FIELDS, auto_check, setting_rows
-from megatron_domino.tools.bench.report import write_artefacts
+from lab.bench.metrics import ROW_FIELDS, auto_check, setting_rows
+from lab.bench.report import write_artefacts
+from megatron_domino.base.settings import setting
 
 CASE = {
     "tensor_model_parallel_size": 2,
@@ -27,7 +27,7 @@ CASE = {
 
 
 def _run_case() -> dict:
-    from megatron_domino.tools.bench.worker import run_case
+    from lab.bench.worker import run_case
 
     return run_case(CASE, iters=2, warmup=1)
 

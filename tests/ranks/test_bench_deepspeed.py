@@ -22,9 +22,9 @@ import torch
 from multiproc import run_on_ranks
 from tiny_models import LLAMA_STYLE, TINY
 
-from megatron_domino.harness.gpt_model import GPTOptions, GPTOptionsError
-from megatron_domino.tools.bench.deepspeed_arm import deepspeed_problems, init_deepspeed_comm
-from megatron_domino.tools.bench.sdpa_attention import sdpa_layer_spec
+from lab.bench.deepspeed_arm import deepspeed_problems, init_deepspeed_comm
+from lab.bench.sdpa_attention import sdpa_layer_spec
+from lab.models.gpt_model import GPTOptions, GPTOptionsError
 
 MICRO_BATCH = 4
 OPTIONS = GPTOptions(num_layers=2, **TINY, num_attention_heads=4)
@@ -34,14 +34,14 @@ RELATIVE = 1e-5
 
 
 def _relative(result, reference) -> dict[str, float]:
-    from megatron_domino.analysis.errors import relative_errors
+    from lab.analysis.errors import relative_errors
 
     return relative_errors(result, reference)
 
 
 def _sdpa_against_stock() -> dict:
     """SDPA spec vs stock local spec, then Domino on the SDPA model vs unpatched."""
-    from megatron_domino.analysis.equivalence import (
+    from lab.analysis.equivalence import (
         TOLERANCES,
         compare_with_stock,
         forward_backward,
@@ -49,11 +49,11 @@ def _sdpa_against_stock() -> dict:
         mismatches,
         token_batch,
     )
+    from lab.bench.sdpa_attention import SDPACoreAttention
+    from lab.models.gpt_model import build_gpt_model
     from megatron_domino.apply import apply_domino
-    from megatron_domino.config import DominoUnsupportedError
-    from megatron_domino.harness.gpt_model import build_gpt_model
-    from megatron_domino.harness.settings import domino_configs, setting
-    from megatron_domino.tools.bench.sdpa_attention import SDPACoreAttention
+    from megatron_domino.base.config import DominoUnsupportedError
+    from megatron_domino.base.settings import domino_configs, setting
 
     batch = token_batch(OPTIONS, MICRO_BATCH)
     stock = build_gpt_model(OPTIONS)
@@ -104,8 +104,8 @@ def test_sdpa_spec_matches_stock_and_domino_runs_on_it():
 
 def _in_megatron_names(result, reference):
     """``result`` of the model with DeepSpeed's block, its decoder grads renamed to Megatron's."""
-    from megatron_domino.analysis.errors import StepResult
-    from megatron_domino.tools.bench.deepspeed_arm import to_deepspeed_name
+    from lab.analysis.errors import StepResult
+    from lab.bench.deepspeed_arm import to_deepspeed_name
 
     def deepspeed_key(name: str) -> str:
         if not name.startswith("decoder."):
@@ -152,13 +152,13 @@ def _count_tp_all_reduces(block, hidden, tp_group, skipped) -> tuple:
 def _deepspeed_against_megatron() -> dict:
     """DeepSpeed's block in place of the decoder vs Megatron's (stock and SDPA attention), and
     its collectives with and without ``tp_collectives_skipped``."""
-    from megatron_domino.analysis.equivalence import forward_backward, max_abs_error, token_batch
-    from megatron_domino.harness.gpt_model import build_gpt_model
-    from megatron_domino.tools.bench.deepspeed_arm import (
+    from lab.analysis.equivalence import forward_backward, max_abs_error, token_batch
+    from lab.bench.deepspeed_arm import (
         build_deepspeed_block,
         deepspeed_decoder,
     )
-    from megatron_domino.tools.bench.noop_collectives import tp_collectives_skipped
+    from lab.bench.noop_collectives import tp_collectives_skipped
+    from lab.models.gpt_model import build_gpt_model
 
     batch = token_batch(OPTIONS, MICRO_BATCH)
     stock = build_gpt_model(OPTIONS)
@@ -265,15 +265,15 @@ DEEPSPEED_CASE = {
 
 
 def _bench_case() -> dict:
-    from megatron_domino.tools.bench.worker import run_case
+    from lab.bench.worker import run_case
 
     return run_case(DEEPSPEED_CASE, iters=1, warmup=0)
 
 
 def test_bench_runs_the_deepspeed_arm_beside_ours(tmp_path):
     pytest.importorskip("deepspeed")
-    from megatron_domino.tools.bench.metrics import setting_rows
-    from megatron_domino.tools.bench.report import markdown_table
+    from lab.bench.metrics import setting_rows
+    from lab.bench.report import markdown_table
 
     result = {"case": DEEPSPEED_CASE, **run_on_ranks(_bench_case, 2)[0]}
     assert {"deepspeed", "deepspeed_noop", "comm_only[deepspeed]"} <= set(result["arms"])

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 
-from megatron_domino.tools.bench.host_time import host_table, measure_host_time
-from megatron_domino.tools.bench.report import write_artefacts
+from lab.bench.host_time import host_table, measure_host_time
+from lab.bench.report import write_artefacts
 
 #: Dispatched operators per layer over stock's, at most (measured: 2.01, 4.02, 2.43, 2.04).
 OPS_BOUND = {"p2": 2.1, "p4": 4.2, "p2-k2": 2.55, "s2": 2.15}

@@ -1,4 +1,4 @@
-"""A Domino step is CUDA-graph safe as far as a CPU can tell (:mod:`megatron_domino.analysis.capture_safety`).
+"""A Domino step is CUDA-graph safe as far as a CPU can tell (:mod:`lab.analysis.capture_safety`).
 
 Two gloo ranks (TP = 2), the Llama-style tiny GPT. For each setting, after one warm-up
 forward and backward (which builds the caches a capture would find built: rotary tables,
@@ -28,12 +28,12 @@ import torch
 from multiproc import run_on_ranks
 from tiny_models import LLAMA_STYLE
 
-from megatron_domino.analysis.capture_safety import StepTrace, first_difference
-from megatron_domino.analysis.equivalence import forward_backward, token_batch
+from lab.analysis.capture_safety import StepTrace, first_difference
+from lab.analysis.equivalence import forward_backward, token_batch
+from lab.models.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.apply import apply_domino
-from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
-from megatron_domino.harness.settings import setting
-from megatron_domino.schedule import LayerOps
+from megatron_domino.base.settings import setting
+from megatron_domino.engine.schedule import LayerOps
 
 SETTINGS = ("p2", "p2-k2", "p2-no-backward-overlap", "s2", "sp-p2", "sp-s2")
 MICRO_BATCH = 2

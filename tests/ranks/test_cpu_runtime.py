@@ -15,7 +15,8 @@ import torch
 from megatron.core.tensor_parallel import random as megatron_random
 from multiproc import run_on_ranks
 
-from megatron_domino.harness.cpu_runtime import (
+from lab.models.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
+from megatron_domino.runtime.cpu_runtime import (
     PATCHES,
     CpuRuntime,
     CpuRuntimeError,
@@ -23,7 +24,6 @@ from megatron_domino.harness.cpu_runtime import (
     cpu_runtime_active,
     runtime_for_device,
 )
-from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
 
 needs_no_cuda = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the CPU runtime refuses to run next to a GPU"

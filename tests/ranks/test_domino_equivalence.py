@@ -6,12 +6,12 @@ reference), then with Domino applied for each setting in :data:`SETTINGS`, then 
 the reference, checks that no forward or backward collective is left pending, and that the
 reverted model reproduces the reference bit for bit.
 
-The comparison is :func:`megatron_domino.analysis.equivalence.compare_with_stock`, shared with the GPU
+The comparison is :func:`lab.analysis.equivalence.compare_with_stock`, shared with the GPU
 check. fp32: element-wise against stock, ``atol = 1e-6, rtol = 1e-5`` (only the order of
 floating-point sums changes; measured differences are below 1e-7). bf16: stock and Domino are
 both measured against an fp32 reference with the same weights, and Domino's norm-relative
 error on the loss and on each gradient must stay within 1.5 x stock's own
-(:data:`megatron_domino.analysis.equivalence.BF16_BOUND`); a broken Domino gradient must fail that
+(:data:`lab.analysis.equivalence.BF16_BOUND`); a broken Domino gradient must fail that
 (:func:`test_a_broken_bf16_gradient_fails_the_check`). A schedule bug (a chunk's output added to
 the wrong residual, a missing piece) gives differences of the order of the values themselves.
 """
@@ -25,7 +25,7 @@ import torch
 from multiproc import run_on_ranks
 from tiny_models import LLAMA_STYLE, TINY
 
-from megatron_domino.analysis.equivalence import (
+from lab.analysis.equivalence import (
     compare_with_stock,
     forward_backward,
     fp32_reference_model,
@@ -33,10 +33,10 @@ from megatron_domino.analysis.equivalence import (
     tolerance_for,
     worst_gradient_error,
 )
+from lab.models.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.apply import apply_domino
-from megatron_domino.config import DominoConfig
-from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
-from megatron_domino.harness.settings import domino_configs
+from megatron_domino.base.config import DominoConfig
+from megatron_domino.base.settings import domino_configs
 
 MICRO_BATCH = 4
 

@@ -21,15 +21,15 @@ import torch
 from multiproc import run_on_ranks
 from tiny_models import LLAMA_STYLE
 
-from megatron_domino.analysis.equivalence import (
+from lab.analysis.equivalence import (
     TOLERANCES,
     forward_backward,
     mismatches,
     token_batch,
 )
+from lab.models.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.apply import apply_domino
-from megatron_domino.config import DominoConfig, DominoUnsupportedError
-from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
+from megatron_domino.base.config import DominoConfig, DominoUnsupportedError
 
 OPTIONS = GPTOptions(num_layers=2, **LLAMA_STYLE)
 CONFIG = DominoConfig(chunks=2)

@@ -20,12 +20,12 @@ import pytest
 from multiproc import run_on_ranks
 from tiny_models import TINY
 
+from lab.models.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
 from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
 from megatron_domino.analysis.spans import collective_spans
 from megatron_domino.apply import apply_domino
-from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
-from megatron_domino.harness.settings import domino_configs
-from megatron_domino.recorder import BEGIN, EventRecorder
+from megatron_domino.base.recorder import BEGIN, EventRecorder
+from megatron_domino.base.settings import domino_configs
 
 LAYERS = 3
 OPTIONS = GPTOptions(num_layers=LAYERS, **TINY, num_attention_heads=4)

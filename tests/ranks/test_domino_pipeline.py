@@ -11,7 +11,7 @@ forward: they must belong to their own step, not to the model.
 
 Later stages take their input from the schedule (``set_input_tensor``), which Domino's block
 forward reads as the stock one does. Tolerances: fp32 ``atol = 1e-6, rtol = 1e-5``
-(:data:`megatron_domino.analysis.equivalence.TOLERANCES`).
+(:data:`lab.analysis.equivalence.TOLERANCES`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from multiproc import run_on_ranks
 from tiny_models import LLAMA_STYLE
 
-from megatron_domino.analysis.equivalence import token_batch, tolerance_for
+from lab.analysis.equivalence import token_batch, tolerance_for
+from lab.models.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.apply import apply_domino
-from megatron_domino.config import DominoConfig
-from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
+from megatron_domino.base.config import DominoConfig
 
 MICRO_BATCHES = 3
 MICRO_BATCH = 4

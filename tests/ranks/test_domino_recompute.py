@@ -12,7 +12,7 @@ Megatron requires to divide the layers; ``block`` with 2 leaves two layers unrec
 each recompute setting:
 
 * Domino against stock Megatron-Core with the same recompute (dropout off): loss and every
-  gradient within :data:`megatron_domino.analysis.equivalence.TOLERANCES`, p = 2 and 4 (and, with
+  gradient within :data:`lab.analysis.equivalence.TOLERANCES`, p = 2 and 4 (and, with
   full recompute, the sequence split, whose replay rebuilds its key cache);
 * with attention and hidden dropout on, Domino with the recompute against Domino without it, on
   the same weights, batch and RNG seed: identical, which holds only if every replay draws the
@@ -29,16 +29,16 @@ from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from multiproc import run_on_ranks
 from tiny_models import TINY
 
-from megatron_domino.analysis.equivalence import (
+from lab.analysis.equivalence import (
     compare_with_stock,
     forward_backward,
     max_abs_error,
     token_batch,
     tolerance_for,
 )
+from lab.models.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.apply import apply_domino
-from megatron_domino.config import DominoConfig, DominoUnsupportedError
-from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
+from megatron_domino.base.config import DominoConfig, DominoUnsupportedError
 
 LAYERS = 4
 CHUNKS = 2

@@ -15,11 +15,11 @@ from multiproc import run_on_ranks
 from packaging.version import Version
 from tiny_models import TINY
 
+from lab.models.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
 from megatron_domino.apply import apply_domino
-from megatron_domino.config import DominoConfig, DominoConfigError, DominoUnsupportedError
-from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
+from megatron_domino.base.config import DominoConfig, DominoConfigError, DominoUnsupportedError
+from megatron_domino.base.version import UnsupportedMegatronVersion, check_megatron_core_version
 from megatron_domino.refusals import te_problems
-from megatron_domino.version import UnsupportedMegatronVersion, check_megatron_core_version
 
 OPTIONS = GPTOptions(num_layers=2, **TINY, num_attention_heads=4)
 

@@ -1,15 +1,15 @@
 """Domino under sequence parallelism computes what Megatron-Core's sequence parallelism does.
 
 Each rank builds one TP = 2 model with ``--sequence-parallel`` (residual stream ``[s/tp, b, h]``,
-norms from :mod:`megatron_domino.harness.norms`), runs a forward and backward with the stock block,
+norms from :mod:`megatron_domino.specs.norms`), runs a forward and backward with the stock block,
 then with Domino for each setting, and compares the per-token loss and every parameter's
-gradient (:func:`~megatron_domino.analysis.equivalence.compare_with_stock`: the norms'
+gradient (:func:`~lab.analysis.equivalence.compare_with_stock`: the norms'
 gradients summed over TP, as the optimizer sees them). The recorder must
 show, per layer and chunk, an all-gather before each column-parallel linear and a
 reduce-scatter after each row-parallel one (``k`` of them with column pieces), each matched in
 backward, and nothing left in flight.
 
-Tolerances: :data:`megatron_domino.analysis.equivalence.TOLERANCES` (fp32 ``atol = 1e-6, rtol = 1e-5``);
+Tolerances: :data:`lab.analysis.equivalence.TOLERANCES` (fp32 ``atol = 1e-6, rtol = 1e-5``);
 only the order of floating-point sums changes (measured differences are below 1e-7).
 """
 
@@ -19,12 +19,12 @@ import pytest
 from multiproc import run_on_ranks
 from tiny_models import LLAMA_STYLE, TINY
 
+from lab.analysis.equivalence import compare_with_stock, token_batch, tolerance_for
+from lab.models.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
-from megatron_domino.analysis.equivalence import compare_with_stock, token_batch, tolerance_for
 from megatron_domino.apply import apply_domino
-from megatron_domino.config import DominoConfig, DominoUnsupportedError
-from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
-from megatron_domino.harness.settings import domino_configs
+from megatron_domino.base.config import DominoConfig, DominoUnsupportedError
+from megatron_domino.base.settings import domino_configs
 
 LAYERS = 2
 MODELS = {
@@ -35,7 +35,7 @@ MODELS = {
         num_layers=LAYERS, **LLAMA_STYLE, add_bias_linear=False, sequence_parallel=True
     ),
 }
-#: Domino settings on the sequence-parallel models (names: megatron_domino.harness.settings).
+#: Domino settings on the sequence-parallel models (names: megatron_domino.base.settings).
 SETTINGS = domino_configs("p2", "p4", "p2-k2", "p1-k2", "p2-intra-layer")
 
 

@@ -2,7 +2,7 @@
 
 Each rank builds one TP = 2 model per family, runs a forward and backward with the stock block
 at micro-batch 1 and 2, then with Domino splitting the sequence for each setting, and compares
-the per-token loss and every gradient (:func:`megatron_domino.analysis.equivalence.compare_with_stock`,
+the per-token loss and every gradient (:func:`lab.analysis.equivalence.compare_with_stock`,
 fp32 ``atol = 1e-6, rtol = 1e-5``). Learned absolute positions (added before the block) and
 rotary embeddings (sliced per chunk inside it) are both covered, as is grouped-query attention
 (earlier chunks' keys are concatenated before the key/value heads are expanded).
@@ -12,7 +12,7 @@ and ``2 p`` backward ones per layer) and, with inter-layer overlap, every collec
 pass's last overlapping another chunk's work: chunk ``c``'s attention waits only for chunks
 ``0..c-1``'s keys, which the wavefront computed before.
 
-Under sequence parallelism (chunk-major layout, :mod:`megatron_domino.chunking`) the same
+Under sequence parallelism (chunk-major layout, :mod:`megatron_domino.engine.chunking`) the same
 comparison runs with the gradients of ``sequence_parallel`` parameters (norms, row-linear
 biases) summed over TP first: each rank's share of the tokens differs from stock's, only the
 sum ``finalize_model_grads`` forms is the same.
@@ -36,8 +36,7 @@ from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
 from multiproc import run_on_ranks
 from tiny_models import LLAMA_STYLE, TINY
 
-from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
-from megatron_domino.analysis.equivalence import (
+from lab.analysis.equivalence import (
     compare_with_stock,
     forward_backward,
     fp32_reference_model,
@@ -46,13 +45,14 @@ from megatron_domino.analysis.equivalence import (
     token_batch,
     tolerance_for,
 )
+from lab.models.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
+from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
 from megatron_domino.analysis.spans import collective_spans
 from megatron_domino.apply import apply_domino
-from megatron_domino.chunk_attention import causal_rows
-from megatron_domino.config import DominoConfig
-from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
-from megatron_domino.harness.settings import domino_configs
-from megatron_domino.recorder import EventRecorder
+from megatron_domino.base.config import DominoConfig
+from megatron_domino.base.recorder import EventRecorder
+from megatron_domino.base.settings import domino_configs
+from megatron_domino.engine.chunk_attention import causal_rows
 
 LAYERS = 2
 MODELS = {

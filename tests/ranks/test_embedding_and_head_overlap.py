@@ -25,14 +25,14 @@ from types import SimpleNamespace
 from multiproc import run_on_ranks
 from tiny_models import LLAMA_STYLE, TINY
 
-from megatron_domino.analysis.equivalence import compare_with_stock, token_batch, tolerance_for
+from lab.analysis.equivalence import compare_with_stock, token_batch, tolerance_for
+from lab.models.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.analysis.spans import collective_spans
 from megatron_domino.apply import apply_domino
-from megatron_domino.embedding_overlap import EMBEDDING_COLLECTIVE, embedding_problems
-from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
-from megatron_domino.harness.settings import domino_configs
-from megatron_domino.output_head import HEAD_COLLECTIVE, output_layer_problems
-from megatron_domino.recorder import EventRecorder
+from megatron_domino.base.recorder import EventRecorder
+from megatron_domino.base.settings import domino_configs
+from megatron_domino.engine.embedding_overlap import EMBEDDING_COLLECTIVE, embedding_problems
+from megatron_domino.engine.output_head import HEAD_COLLECTIVE, output_layer_problems
 
 MICRO_BATCH = 4
 MODELS = {

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from multiproc import run_on_ranks
 
-from megatron_domino.tools.bench.emulated_link import MAX_IN_FLIGHT, LinkModel
+from lab.bench.emulated_link import MAX_IN_FLIGHT, LinkModel
 
 #: 80 Mbit/s: a 1 MB tensor spends 0.1 s on the wire, far above sleep and poll granularity.
 SLOW = LinkModel.from_mbit(80.0, latency_s=1e-3)
@@ -116,8 +116,8 @@ def _megatron_row_linear(link, group) -> dict:
     link: whether they are equal, and how many collectives the link served."""
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 
-    from megatron_domino.harness.gpt_model import GPTOptions, transformer_config
-    from megatron_domino.tools.bench.emulated_link import tp_collectives_emulated
+    from lab.bench.emulated_link import tp_collectives_emulated
+    from lab.models.gpt_model import GPTOptions, transformer_config
 
     world = dist.get_world_size(group)
     options = GPTOptions(
@@ -148,7 +148,7 @@ def _megatron_row_linear(link, group) -> dict:
 
 
 def _emulated_link_checks() -> dict:
-    from megatron_domino.tools.bench.emulated_link import EmulatedLink
+    from lab.bench.emulated_link import EmulatedLink
 
     group = _tp_group()
     link = EmulatedLink(group, SLOW, capacity_bytes=4 << 20)

@@ -29,13 +29,13 @@ from test_domino_pipeline import MICRO_BATCH as PP_MICRO_BATCH
 from test_domino_pipeline import MICRO_BATCHES, _train_step
 from tiny_models import LLAMA_STYLE
 
-from megatron_domino import collectives
-from megatron_domino.analysis.equivalence import forward_backward, mismatches, token_batch
-from megatron_domino.analysis.errors import TOLERANCES
+from lab.analysis.equivalence import forward_backward, mismatches, token_batch
+from lab.analysis.errors import TOLERANCES
+from lab.launch.ranks import run_ranks
+from lab.models.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.apply import apply_domino
-from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
-from megatron_domino.harness.ranks import run_ranks
-from megatron_domino.harness.settings import setting
+from megatron_domino.base.settings import setting
+from megatron_domino.communication import collectives
 
 TOLERANCE = TOLERANCES[torch.float32]
 MODEL = GPTOptions(num_layers=2, **LLAMA_STYLE)
@@ -276,13 +276,15 @@ def test_a_broken_domino_fails_it(tp2):
     for defect in ("skipped forward all-reduce wait", "skipped sequence-parallel wait"):
         row = broken[defect]
         assert row["unwaited"], (defect, row)
-        assert all("megatron_domino/collectives.py" in site for site in row["unwaited"]), row
+        assert all(
+            "megatron_domino/communication/collectives.py" in site for site in row["unwaited"]
+        ), row
         assert not row["loss_finite"] or row["mismatches"], (defect, row)
     written = broken["input written in flight"]
     assert written["violations"] and not written["unwaited"], written
     assert all(
         v.endswith("reduce_scatter_tensor: its input was modified in place while in flight")
-        and "megatron_domino/collectives.py" in v
+        and "megatron_domino/communication/collectives.py" in v
         for v in written["violations"]
     ), written
 

@@ -14,7 +14,7 @@ Dropout stays off so stock and Domino draw nothing and differ only by rounding.
 
 * One micro-batch: stock's and Domino's gradients (``main_grad`` after Megatron's
   ``finalize_model_grads``) against an fp32 reference with the same weights, within
-  :data:`megatron_domino.analysis.equivalence.BF16_BOUND` of stock's own error, tensor by tensor.
+  :data:`lab.analysis.equivalence.BF16_BOUND` of stock's own error, tensor by tensor.
 * Three optimizer steps of each from the same weights and batches: losses and gradient norms.
 * Which weight-gradient path ran: with gradient-accumulation fusion, every TE linear's weight
   gradient went through TE's fused weight-gradient GEMM (bf16 operands into fp32
@@ -40,7 +40,7 @@ from multiproc import run_on_ranks
 from te_models import main_grad_gemms, megatron_optimizer_without_te_kernels, te_spec
 from tiny_models import PRODUCTION_DEFAULTS, TINY
 
-from megatron_domino.analysis.equivalence import (
+from lab.analysis.equivalence import (
     BF16_BOUND,
     StepResult,
     bound_violations,
@@ -48,15 +48,15 @@ from megatron_domino.analysis.equivalence import (
     token_batch,
     worst_gradient_error,
 )
-from megatron_domino.apply import apply_domino
-from megatron_domino.backward_overlap import accumulate_weight_gradient, placeholder_gradient
-from megatron_domino.config import DominoConfig
-from megatron_domino.harness.gpt_model import (
+from lab.models.gpt_model import (
     GPTOptions,
     GPTOptionsError,
     build_gpt_model,
     transformer_config,
 )
+from megatron_domino.apply import apply_domino
+from megatron_domino.base.config import DominoConfig
+from megatron_domino.engine.backward_overlap import accumulate_weight_gradient, placeholder_gradient
 
 MICRO_BATCH = 4
 CHUNKS = 2

@@ -1,4 +1,4 @@
-"""``harness.script_ranks`` runs a script as torchrun would: its environment, ``__main__``, the
+"""``lab.launch.script_ranks`` runs a script as torchrun would: its environment, ``__main__``, the
 interpreter's exit, one failing rank ending the launch.
 
 The training tests launch ``pretrain_gpt_domino.py`` through it (``tests/launch.py``), so what
@@ -13,7 +13,7 @@ import os
 import textwrap
 import time
 
-from megatron_domino.harness.script_ranks import run_script
+from lab.launch.script_ranks import run_script
 
 #: Prints what torchrun would have given the rank, as one JSON line, and an atexit line.
 PROBE = """

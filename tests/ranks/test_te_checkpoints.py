@@ -1,7 +1,7 @@
 """Checkpoints between stock's Transformer Engine layer and the layer Domino runs under SP.
 
 Under sequence parallelism Domino runs the TE layer with its norms apart
-(:mod:`megatron_domino.te_spec`: ``TENorm`` + ``TEColumnParallelLinear`` instead of the fused
+(:mod:`megatron_domino.specs.te_spec`: ``TENorm`` + ``TEColumnParallelLinear`` instead of the fused
 ``TELayerNormColumnParallelLinear``). A user's checkpoint comes from stock training, and a
 checkpoint Domino saves must resume without Domino, so both models must read each other's
 checkpoints: Megatron-LM's ``torch_dist`` format (``dist_checkpointing``, with its default
@@ -31,8 +31,8 @@ pytestmark = pytest.mark.te
 def _models():
     """The stock fused TE model and the norms-apart one (different weights), FP8 state set."""
 
-    from megatron_domino.analysis.equivalence import forward_backward, token_batch
-    from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
+    from lab.analysis.equivalence import forward_backward, token_batch
+    from lab.models.gpt_model import GPTOptions, build_gpt_model
 
     os.environ["NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"] = "1"  # module docstring
     options = GPTOptions(

@@ -35,18 +35,18 @@ from multiproc import run_on_ranks
 from te_models import te_spec
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_domino.analysis.equivalence import (
+from lab.analysis.equivalence import (
     compare_with_stock,
     fp32_reference_model,
     token_batch,
     tolerance_for,
 )
+from lab.models.gpt_model import GPTOptions, build_gpt_model
+from lab.models.model_options import LLAMA_FLAVOUR
 from megatron_domino.apply import apply_domino
-from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
-from megatron_domino.harness.model_options import LLAMA_FLAVOUR
-from megatron_domino.harness.settings import setting as named_setting
-from megatron_domino.recorder import CollectiveLabel, EventRecorder
-from megatron_domino.saved_shards import SavedInputRegather
+from megatron_domino.base.recorder import CollectiveLabel, EventRecorder
+from megatron_domino.base.settings import setting as named_setting
+from megatron_domino.communication.saved_shards import SavedInputRegather
 
 pytestmark = pytest.mark.te
 
@@ -162,7 +162,7 @@ class _OutOfPlaceAdds(TorchDispatchMode):
 def _fused_step(model, batch) -> dict:
     """Two micro-batches of one global batch with fused weight-gradient accumulation into
     ``main_grad``: weight casts, ``main_grad`` s, placeholder adds in the first backward."""
-    from megatron_domino.tools.activation_memory import counting_weight_casts
+    from lab.activation_memory import counting_weight_casts
 
     linears = _te_linears(model)
     weights = [linear.weight for linear in linears]
@@ -277,7 +277,7 @@ def test_column_linears_get_the_fp8_gathered_input_under_sp(te_contract):
 def _forward_losses() -> tuple[float, float]:
     """Under FP8 + SP, from the same weights and FP8 state: ``(|stock - norms apart without
     Domino|, |stock - Domino|)``, the largest per-token loss differences of one forward."""
-    from megatron_domino.config import DominoConfig
+    from megatron_domino.base.config import DominoConfig
 
     os.environ["NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"] = "1"  # TE's FP8 state: our own
     options = _te_options(True)
@@ -304,7 +304,7 @@ def test_fp8_forward_under_sp_is_stocks_bit_for_bit():
 
 
 def _refusal(changes: dict) -> str:
-    from megatron_domino.config import DominoConfig, DominoUnsupportedError
+    from megatron_domino.base.config import DominoConfig, DominoUnsupportedError
 
     model = build_gpt_model(_te_options(True), spec=te_spec(True))
     for name, value in changes.items():
@@ -354,7 +354,7 @@ def test_te_op_fused_mlp_is_refused_by_the_spec():
     sequence; the norms-apart spec refuses it with the reason instead of dropping it."""
     from types import SimpleNamespace
 
-    from megatron_domino.te_spec import te_norms_apart_block_spec
+    from megatron_domino.specs.te_spec import te_norms_apart_block_spec
 
     config = SimpleNamespace(use_transformer_engine_op_fuser=True, transformer=None)
     with pytest.raises(ValueError, match="op-fused MLP"):

@@ -4,12 +4,12 @@ blockwise.
 Under ``--fp8-recipe tensorwise`` (current scaling) every cast takes the amax of what it casts.
 Stock casts a whole micro-batch with one scale; Domino casts each chunk with the amax of that
 chunk, reduced over the TP group where stock reduces it (the SP gathers), so every rank casts a
-gathered chunk with one scale (:mod:`megatron_domino.te_fp8_inputs`). The chunks' scales
+gathered chunk with one scale (:mod:`megatron_domino.communication.te_fp8_inputs`). The chunks' scales
 differ from stock's, so Domino is not stock bit for bit; it is held to stock's own FP8 error:
 over a short training run (Adam, 6 steps, fixed batches, TP 2), Domino's per-step loss error
 against the bf16 run stays within 1.5x stock's FP8 error against it, or within one bf16
 rounding of the loss, whichever is larger (the existing bf16 rule of
-:mod:`megatron_domino.analysis.equivalence`). Delayed scaling runs the same way. The other
+:mod:`lab.analysis.equivalence`). Delayed scaling runs the same way. The other
 recipes are refused with the reason (MXFP8 needs Blackwell; custom recipes are not validated).
 Under ``--fp8-recipe blockwise`` (1 x 128 activation tiles, 128 x 128 weight blocks) the
 forward is stock's bit for bit (the tiles run along ``h``) and the training loss is held the
@@ -33,10 +33,10 @@ def _losses(recipe: str, sequence_parallel: bool) -> dict[str, list[float]]:
     """Per-step mean losses of three runs from the same initial weights: bf16, FP8 stock, FP8
     with Domino (p = 2)."""
 
-    from megatron_domino.analysis.equivalence import token_batch
+    from lab.analysis.equivalence import token_batch
+    from lab.models.gpt_model import GPTOptions, build_gpt_model
     from megatron_domino.apply import apply_domino
-    from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
-    from megatron_domino.harness.settings import setting
+    from megatron_domino.base.settings import setting
 
     name = "sp-p2" if sequence_parallel else "p2-no-backward-overlap"
     runs = {}
@@ -87,11 +87,11 @@ def test_fp8_training_loss_within_stocks_own_fp8_error(recipe, sequence_parallel
 def _gathered_chunk_scales() -> list[float]:
     """Tensorwise + SP, one Domino forward: the scale each norm-output shard was cast with
     before its gather, in order (2 layers x 2 norms x 2 chunks)."""
-    import megatron_domino.schedule
-    from megatron_domino.analysis.equivalence import token_batch
+    import megatron_domino.engine.schedule
+    from lab.analysis.equivalence import token_batch
+    from lab.models.gpt_model import GPTOptions, build_gpt_model
     from megatron_domino.apply import apply_domino
-    from megatron_domino.config import DominoConfig
-    from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
+    from megatron_domino.base.config import DominoConfig
 
     options = GPTOptions(
         **{**LLAMA_STYLE, "num_layers": 2}, sequence_parallel=True,
@@ -99,14 +99,14 @@ def _gathered_chunk_scales() -> list[float]:
         fp8_recipe="tensorwise",
     )  # fmt: skip
     model = build_gpt_model(options, spec=te_spec(True))
-    scales, cast = [], megatron_domino.schedule.quantized_norm_output
+    scales, cast = [], megatron_domino.engine.schedule.quantized_norm_output
 
     def recording(*args):
         quantized = cast(*args)
         scales.append(quantized._scale_inv.item())
         return quantized
 
-    megatron_domino.schedule.quantized_norm_output = recording
+    megatron_domino.engine.schedule.quantized_norm_output = recording
     with torch.no_grad(), apply_domino(model, DominoConfig(chunks=2)):
         model(**token_batch(options, 4))
     return scales
@@ -123,9 +123,9 @@ def test_tensorwise_casts_each_gathered_chunk_with_one_scale_on_every_rank():
 
 def _refusal(recipe: str) -> str:
 
+    from lab.models.gpt_model import GPTOptions, build_gpt_model
     from megatron_domino.apply import apply_domino
-    from megatron_domino.config import DominoConfig, DominoUnsupportedError
-    from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
+    from megatron_domino.base.config import DominoConfig, DominoUnsupportedError
 
     options = GPTOptions(**{**LLAMA_STYLE, "num_layers": 1}, transformer_impl="transformer_engine")
     model = build_gpt_model(options, spec=te_spec(True, fused_norms=True))
@@ -151,12 +151,12 @@ def _blockwise_step() -> dict:
     gathered tensor (its fallback for shapes not divisible by 128, synchronous; its FP8 block
     gather coalesces NCCL collectives, which gloo lacks)."""
 
-    from megatron_domino.analysis.collective_bytes import CollectiveBytes
-    from megatron_domino.analysis.equivalence import token_batch
+    from lab.analysis.collective_bytes import CollectiveBytes
+    from lab.analysis.equivalence import token_batch
+    from lab.models.gpt_model import GPTOptions, build_gpt_model
+    from lab.models.model_options import LLAMA_FLAVOUR
     from megatron_domino.apply import apply_domino
-    from megatron_domino.config import DominoConfig
-    from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model
-    from megatron_domino.harness.model_options import LLAMA_FLAVOUR
+    from megatron_domino.base.config import DominoConfig
 
     options = GPTOptions(
         num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=4,

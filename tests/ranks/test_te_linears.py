@@ -4,14 +4,14 @@ Each rank builds a TP = 2 model of real TE modules (:mod:`te_models`: Megatron-C
 without sequence parallelism, the norms-apart spec Domino runs under it), runs a forward and
 backward with the stock block, then with Domino per setting, then stock again after
 ``revert``, and compares the per-token loss and every gradient
-(:func:`~megatron_domino.analysis.equivalence.compare_with_stock`), in three precisions:
+(:func:`~lab.analysis.equivalence.compare_with_stock`), in three precisions:
 
 * fp32: element-wise, ``atol = 1e-6, rtol = 1e-5``
-  (:data:`megatron_domino.analysis.equivalence.TOLERANCES`);
+  (:data:`lab.analysis.equivalence.TOLERANCES`);
 * bf16, and bf16 with FP8 delayed scaling (``--fp8-format hybrid``, TE's real ``fp8_autocast``
   and its FP8 casts, GEMMs and amax/scale updates on the CPU backend): norm-relative error
   against an fp32 model with the same weights, within ``1.5 x`` stock's own error per tensor
-  (:data:`~megatron_domino.analysis.equivalence.BF16_BOUND`). Under FP8 every step updates
+  (:data:`~lab.analysis.equivalence.BF16_BOUND`). Under FP8 every step updates
   TE's scales and amax histories, so every run starts from the same FP8 state
   (:func:`te_models.fp8_start_fixed`), and Domino's FP8 state after the step is compared with
   stock's (under SP: stock's on the fused layer, whose FP8 numerics Domino reproduces).
@@ -43,22 +43,22 @@ from te_models import (
     te_spec,
 )
 
-from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
-from megatron_domino.analysis.equivalence import (
+from lab.analysis.equivalence import (
     compare_with_stock,
     forward_backward,
     fp32_reference_model,
     token_batch,
     tolerance_for,
 )
+from lab.models.gpt_model import build_gpt_model
+from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
 from megatron_domino.apply import apply_domino
-from megatron_domino.config import DominoConfig, DominoUnsupportedError
-from megatron_domino.harness.gpt_model import build_gpt_model
-from megatron_domino.harness.settings import setting as named_setting
+from megatron_domino.base.config import DominoConfig, DominoUnsupportedError
+from megatron_domino.base.settings import setting as named_setting
 
 pytestmark = pytest.mark.te
 
-#: The settings (names: megatron_domino.harness.settings). Without SP, TE keeps its backward
+#: The settings (names: megatron_domino.base.settings). Without SP, TE keeps its backward
 #: all-reduce, so backward overlap must be off (see refusals.te_problems).
 SETTINGS = [
     named_setting(name)
@@ -213,7 +213,7 @@ def test_fp8_state_after_a_step_equals_stocks(compared):
     Under SP, "stock" is the layer Megatron-LM builds without ``--spec`` (norms fused into the
     column linears), with the same weights and FP8 state: Domino, on the norms-apart layer,
     casts the norm's fp32 output to FP8 as that fused layer does
-    (:mod:`megatron_domino.te_fp8_inputs`), where stock on the norms-apart layer casts the
+    (:mod:`megatron_domino.communication.te_fp8_inputs`), where stock on the norms-apart layer casts the
     norm's bf16 output; against that stock the FP8 state differs by rounding (up to 5 %
     relative in the backward amax histories, measured). The step did update every linear's
     amax histories (so the comparison is not of two untouched states); the attention's FP8
@@ -344,7 +344,7 @@ REFUSALS = {
     "symmetric-ar": (True, dict(chunks=2), dict(symmetric_ar_type="two_shot"), "symmetric all-reduce"),
     "ub": (True, dict(chunks=2), dict(tp_comm_overlap=True), "TE userbuffer overlap"),
     "fused-norms-under-sp": (
-        True, dict(chunks=2), {}, "--spec megatron_domino.te_spec te_norms_apart_block_spec"
+        True, dict(chunks=2), {}, "--spec megatron_domino.specs.te_spec te_norms_apart_block_spec"
     ),
 }  # fmt: skip
 

@@ -26,22 +26,22 @@ from allocations import BoolTensors
 from multiproc import run_on_ranks
 from te_models import LAYERS, AttentionCall, TECalls, te_options, te_spec
 
-from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
-from megatron_domino.analysis.equivalence import (
+from lab.analysis.equivalence import (
     compare_with_stock,
     forward_backward,
     mismatches,
     token_batch,
     tolerance_for,
 )
+from lab.models.gpt_model import build_gpt_model
+from megatron_domino.analysis.criteria import count_mismatches, overlap_violations
 from megatron_domino.apply import apply_domino
-from megatron_domino.config import DominoConfig, DominoUnsupportedError
-from megatron_domino.harness.gpt_model import build_gpt_model
-from megatron_domino.harness.settings import setting
+from megatron_domino.base.config import DominoConfig, DominoUnsupportedError
+from megatron_domino.base.settings import setting
 
 pytestmark = pytest.mark.te
 
-#: The settings (names: megatron_domino.harness.settings), all at micro-batch 1.
+#: The settings (names: megatron_domino.base.settings), all at micro-batch 1.
 SETTINGS = [setting(name) for name in ("sp-s2", "sp-s4", "s2-no-backward-overlap")]
 
 

@@ -20,7 +20,7 @@ import torch
 from multiproc import run_on_ranks
 from sharding import shard_like, shard_state_dict
 
-from megatron_domino.harness.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
+from lab.models.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
 
 ATOL = 1e-6
 RTOL = 1e-5

@@ -24,7 +24,7 @@ training-loop tests do not:
   Domino ``--domino-chunks 2 --domino-column-chunks 2``: plain DDP's bucketed, overlapped
   gradient reduction under accumulation, with biases and full recompute.
 * ``tp2-sp-sequence-split-mb1``: TP = 2, micro-batch 1 (4 accumulation steps),
-  ``--sequence-parallel`` (the local spec with SP-capable norms, ``megatron_domino.harness.cpu_specs``),
+  ``--sequence-parallel`` (the local spec with SP-capable norms, ``megatron_domino.specs.cpu_specs``),
   the RMSNorm/SwiGLU/RoPE/GQA model; Domino ``--domino-split sequence --domino-chunks 4``
   (chunk-major layout; the norms' gradients summed by Megatron's ``finalize_model_grads``):
   the users' layout (TP + SP, micro-batch 1) without pipeline stages.
@@ -143,7 +143,7 @@ CASES = {
         nproc=2,
         flags=[
             *MODERN_MODEL, "--micro-batch-size", "1", "--global-batch-size", "4",
-            "--sequence-parallel", "--spec", "megatron_domino.harness.cpu_specs",
+            "--sequence-parallel", "--spec", "megatron_domino.specs.cpu_specs",
             "sequence_parallel_local_spec",
         ],
         chunks=4, column_chunks=1, rtol=FP32_RTOL, split_along="sequence",

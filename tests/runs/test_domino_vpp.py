@@ -61,7 +61,7 @@ CASES = {
     ),
     "vp-sp-sequence": (
         ["--num-virtual-stages-per-pipeline-rank", "2", "--sequence-parallel",
-         "--spec", "megatron_domino.harness.cpu_specs", "sequence_parallel_local_spec",
+         "--spec", "megatron_domino.specs.cpu_specs", "sequence_parallel_local_spec",
          "--micro-batch-size", "1", "--global-batch-size", "4"],
         ["--domino", "--domino-split", "sequence", "--domino-chunks", "2"],
     ),

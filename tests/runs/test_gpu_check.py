@@ -1,4 +1,4 @@
-"""``python -m megatron_domino.tools.gpu_check``: its logic on the CPU, and the real check on a GPU.
+"""``python -m lab.gpu_check``: its logic on the CPU, and the real check on a GPU.
 
 The GPU check cannot run here, so the CPU tests run the same code paths with
 ``--device cpu --quick`` (gloo, fp32, tiny shapes, wall clock) through the wrapper script, with
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_domino.tools.gpu_check import (
+from lab.gpu_check import (
     check_host_time,
     check_inflight,
     cli,
@@ -29,7 +29,7 @@ from megatron_domino.tools.gpu_check import (
     parts,
     probe,
 )
-from megatron_domino.tools.gpu_check.results import EXIT_STATUS, PartResult, verdict
+from lab.gpu_check.results import EXIT_STATUS, PartResult, verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 WRAPPER = ROOT / "scripts" / "gpu_check.sh"
@@ -206,7 +206,7 @@ def one_rank_group():
     """A world-size-1 gloo group in this process, destroyed afterwards."""
     import torch.distributed as dist
 
-    from megatron_domino.harness.ranks import free_port
+    from lab.launch.ranks import free_port
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
@@ -225,7 +225,7 @@ def test_host_staging_shim_patches_megatron_too_and_restores_everything(one_rank
     import torch.distributed as dist
     from megatron.core.tensor_parallel import layers, mappings
 
-    from megatron_domino.tools.gpu_check.host_staging import STAGEABLE, host_staged
+    from lab.gpu_check.host_staging import STAGEABLE, host_staged
 
     assert STAGEABLE == probe.COLLECTIVES
     originals = {name: getattr(dist, name) for name in STAGEABLE}
@@ -477,7 +477,7 @@ def test_run_dir_must_be_new_or_empty_and_budgets_fit_the_lease(tmp_path):
 
 
 def test_inflight_cases_fail_when_a_wait_returns_before_the_data(one_rank_group, monkeypatch):
-    from megatron_domino import collectives
+    from megatron_domino.communication import collectives
 
     rows = {r["case"]: r for r in check_inflight.inflight_rank("cpu")}
     assert all(r["passed"] for r in rows.values()), rows

@@ -1,4 +1,4 @@
-"""``megatron-domino-loss-parity``: its flags, and a real baseline-vs-Domino run.
+"""``python -m lab.loss_parity``: its flags, and a real baseline-vs-Domino run.
 
 Tolerance of the run: 1e-5 absolute on losses near 6, i.e. about 20 fp32 ulps. In fp32 with
 dropout 0 the two arms differ only by the summation order of GEMMs on half-size batches;
@@ -16,8 +16,8 @@ import pytest
 import torch
 from megatron.training import arguments as megatron_arguments
 
-from megatron_domino.tools import loss_parity
-from megatron_domino.tools.loss_parity import LossParityError, arm_flags, compare, parse_args
+from lab import loss_parity
+from lab.loss_parity import LossParityError, arm_flags, compare, parse_args
 from megatron_domino.training import pretrain as entry
 from megatron_domino.training.runs import MODULE, cpu_flags, torchrun_command
 

@@ -16,7 +16,7 @@ one by one, each with the error that running it gave (:attr:`Example.replaced`).
 :data:`megatron_domino.training.runs.CPU_FLAGS`, the CPU's replacements for Megatron-LM's GPU defaults. The scripts'
 paths become folders of the arm (checkpoints, TensorBoard, which needs ``tensorboard``
 installed, and the data cache); ``--sequence-parallel`` runs with
-:mod:`megatron_domino.harness.cpu_specs`.
+:mod:`megatron_domino.specs.cpu_specs`.
 
 Each script is run through ``pretrain_gpt_domino.py`` on 4 gloo ranks twice, without and with
 ``--domino``, and the ``--log-json`` records are compared iteration by iteration: the same
@@ -270,7 +270,7 @@ LLAMA3_8B_FP8 = Example(
             "without --fp8-format: 'ValueError: fp8_param must be used together with fp8 mode.'",
         ),
         "--sequence-parallel": (
-            "--sequence-parallel --spec megatron_domino.harness.cpu_specs sequence_parallel_local_spec",
+            "--sequence-parallel --spec megatron_domino.specs.cpu_specs sequence_parallel_local_spec",
             "'AssertionError: sequence parallel not supported by torch LayerNorm' "
             "(core/transformer/torch_norm.py:50; Apex's norm needs CUDA); the spec is Megatron's "
             "local spec with torch norms that run under sequence parallelism",

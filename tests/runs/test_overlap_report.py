@@ -22,7 +22,7 @@ from megatron_domino.analysis.report import (
     warning_lines,
 )
 from megatron_domino.analysis.spans import CollectiveSpan
-from megatron_domino.recorder import NULL_RECORDER, EventRecorder
+from megatron_domino.base.recorder import NULL_RECORDER, EventRecorder
 from megatron_domino.training import pretrain as entry
 from megatron_domino.training.domino_report import DominoOverlapReport
 from megatron_domino.training.runs import read_records

@@ -1,4 +1,4 @@
-"""What the patch of Megatron-LM's ``pretrain_gpt.py`` calls (``megatron_domino.megatron_lm``:
+"""What the patch of Megatron-LM's ``pretrain_gpt.py`` calls (``megatron_domino.training.megatron_lm``:
 ``help_lists_domino``, ``add_args``, ``attach``), and ``--help`` of both entry points.
 
 CI has no Megatron-LM checkout, so the first tests call those functions as the patched script
@@ -22,8 +22,8 @@ from megatron.core import parallel_state
 from megatron.training import arguments as megatron_arguments
 from megatron.training import training as megatron_training
 
-from megatron_domino import megatron_lm
-from megatron_domino.config import DominoConfig
+from megatron_domino.base.config import DominoConfig
+from megatron_domino.training import megatron_lm
 from megatron_domino.training import pretrain as entry
 from megatron_domino.training.runs import read_records
 
@@ -200,7 +200,7 @@ def test_hopper_fp8_recipes_attach_through_the_patch(recipe, monkeypatch):
     refused there, as in ``pretrain_gpt_domino.py``."""
     te_fp8 = ["--transformer-impl", "transformer_engine", "--sequence-parallel"]
     te_fp8 += ["--fp8-format", "hybrid", "--fp8-recipe", recipe]
-    te_fp8 += ["--spec", "megatron_domino.te_spec", "te_norms_apart_block_spec"]
+    te_fp8 += ["--spec", "megatron_domino.specs.te_spec", "te_norms_apart_block_spec"]
     model_config = SimpleNamespace(pre_wrap_hooks=[])
     hook = megatron_lm.attach(model_config, _parse(monkeypatch, "--domino", *te_fp8))
     try:

@@ -23,7 +23,7 @@ from multiproc import run_on_ranks
 from packaging.version import Version
 
 from megatron_domino.autotune import AutoTuner, NoCandidateError
-from megatron_domino.config import DominoConfigError, DominoUnsupportedError
+from megatron_domino.base.config import DominoConfigError, DominoUnsupportedError
 from megatron_domino.training import pretrain as entry
 
 DATA = "--mock-data --tokenizer-type NullTokenizer --vocab-size 100".split()
@@ -232,21 +232,27 @@ def test_megatron_parses_every_megatron_lm_flag_with_its_meaning(monkeypatch):
     # Megatron-LM's own default, not a CPU one: the CPU flags in TINY_GPT set it to local.
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt_domino.py", "--num-layers", "2"])
     assert megatron_arguments.parse_args(entry.add_flags).transformer_impl == "transformer_engine"
-    # Without --domino, of Domino only its flags (config.py, autotune.py, parser_help.py) and
-    # the version check import.
+    # Without --domino, of Domino's library only its flags (base/config.py, autotune.py with
+    # the setting names of base/settings.py) and the version check import: nothing of the
+    # engine, the communication or the API that binds them.
     env = {**os.environ, "WORLD_SIZE": "2", "RANK": "0", "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
     done = subprocess.run(
         [sys.executable, "-c", _BASELINE_IMPORTS], capture_output=True, text=True, env=env
     )
     assert done.returncode == 0, done.stderr[-3000:]
     modules = done.stdout.strip().splitlines()[-1].split()
-    subpackages = {f"megatron_domino.{name}" for name in ("data", "harness", "training")}
-    library = {name for name in modules if name.count(".") == 1} - subpackages
+    outside = tuple(f"megatron_domino.{name}" for name in ("data", "runtime", "training"))
+    packages = {f"megatron_domino.{name}" for name in ("base", "engine", "communication", "specs")}
+    library = {
+        name
+        for name in modules
+        if "." in name and not name.startswith(outside) and name not in packages
+    }
     expected = {
         "megatron_domino.autotune",
-        "megatron_domino.config",
-        "megatron_domino.parser_help",
-        "megatron_domino.version",
+        "megatron_domino.base.config",
+        "megatron_domino.base.settings",
+        "megatron_domino.base.version",
     }
     assert library == expected, library
 
@@ -323,7 +329,7 @@ def test_an_older_transformer_engine_is_refused_at_argument_time(monkeypatch):
 
 
 #: The spec Domino needs for Transformer Engine layers under sequence parallelism.
-TE_NORMS_APART = ["--spec", "megatron_domino.te_spec", "te_norms_apart_block_spec"]
+TE_NORMS_APART = ["--spec", "megatron_domino.specs.te_spec", "te_norms_apart_block_spec"]
 
 
 def test_fused_te_norms_are_refused_under_sequence_parallelism_at_argument_time(monkeypatch):
@@ -333,7 +339,7 @@ def test_fused_te_norms_are_refused_under_sequence_parallelism_at_argument_time(
     _installed_te(monkeypatch, "2.18.0")
     with pytest.raises(DominoUnsupportedError) as error:
         checked(monkeypatch, *TE_DOMINO, "--sequence-parallel")
-    assert "--spec megatron_domino.te_spec te_norms_apart_block_spec" in str(error.value)
+    assert "--spec megatron_domino.specs.te_spec te_norms_apart_block_spec" in str(error.value)
     checked(monkeypatch, *TE_DOMINO, "--sequence-parallel", *TE_NORMS_APART)
     checked(monkeypatch, *TE_DOMINO, "--no-domino-backward-overlap")
 
@@ -374,7 +380,7 @@ def test_the_norms_apart_spec_builds_through_megatron_lm_model_config(monkeypatc
     built = run_on_ranks(_layer_built_from, 1, args=(args,), te=True)[0]
     te = "megatron.core.extensions.transformer_engine"
     assert built == dict(
-        spec="megatron_domino.te_spec.te_norms_apart_block_spec",
+        spec="megatron_domino.specs.te_spec.te_norms_apart_block_spec",
         layers=args.num_layers,
         norms=[f"{te}.TENorm"] * 2,
         linear_qkv=f"{te}.TEColumnParallelLinear",

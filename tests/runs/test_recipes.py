@@ -30,10 +30,10 @@ import pytest
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.training import arguments as megatron_arguments
 
-from megatron_domino.megatron_lm import check_args
 from megatron_domino.training import loop_hooks
 from megatron_domino.training import pretrain as entry
 from megatron_domino.training.gpt_steps import unsupported_flags
+from megatron_domino.training.megatron_lm import check_args
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"

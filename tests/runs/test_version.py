@@ -15,8 +15,8 @@ from megatron.core.extensions import transformer_engine as megatron_te
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from megatron_domino.config import DominoUnsupportedError
-from megatron_domino.version import (
+from megatron_domino.base.config import DominoUnsupportedError
+from megatron_domino.base.version import (
     ALLOW_UNTESTED_ENV,
     PINNED_MEGATRON_CORE,
     TE_MIN_VERSION,
@@ -64,7 +64,7 @@ def _check_with_checkout(
     code = textwrap.dedent(
         """
         import sys
-        from megatron_domino.version import check_megatron_core_version
+        from megatron_domino.base.version import check_megatron_core_version
         for _ in range(int(sys.argv[1])):
             print(check_megatron_core_version())
         """

@@ -17,8 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_domino import backward_overlap, column_pieces
-from megatron_domino.recorder import CollectiveLabel
+from megatron_domino.base.recorder import CollectiveLabel
+from megatron_domino.engine import backward_overlap, column_pieces
 
 
 def _autocast_state() -> tuple[bool, torch.dtype]:

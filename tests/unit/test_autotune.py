@@ -17,9 +17,9 @@ from megatron_domino.autotune import (
     NoCandidateError,
     add_auto_tune_args,
     candidate_configs,
-    setting_name,
 )
-from megatron_domino.config import DominoConfig, DominoConfigError, add_domino_args
+from megatron_domino.base.config import DominoConfig, DominoConfigError, add_domino_args
+from megatron_domino.base.settings import setting_name
 
 P2, P4, P1K2 = (
     DominoConfig(chunks=2),

@@ -37,7 +37,7 @@ def test_the_scripts_use_that_list():
 
 def test_the_commands_on_the_page_name_what_exists():
     page = PAGE.read_text()
-    module, function = "megatron_domino.harness.cpu_specs", "sequence_parallel_local_spec"
+    module, function = "megatron_domino.specs.cpu_specs", "sequence_parallel_local_spec"
     assert f"--spec {module} {function}" in page
     assert callable(getattr(importlib.import_module(module), function))
     for path in ("patches/cpu_launch.py", "patches/cpu_smoke.py",

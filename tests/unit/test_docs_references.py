@@ -13,10 +13,10 @@ keep the old name until a reader follows it into nothing. This test follows ever
 * backticked short names whose first part is one of this project's modules or classes
   (``saved_shards.SavedInputRegather``, ``DominoConfig.chunks``), or whose last part is a
   name the project defines (``integration.fsdp_problems``, after ``integration`` was gone);
-* file paths under this checkout's top-level folders (``megatron_domino/harness/patch.py``,
+* file paths under this checkout's top-level folders (``megatron_domino/runtime/patch.py``,
   ``tests/te_models.py``, ``docs/cpu.md``, ``scripts/gpu_check.sh``) from the repository's
   root or the citing file's folder, and ``../shared/...`` where the checkout has that folder;
-* the README flag table's ``field`` column against :class:`~megatron_domino.config.DominoConfig`.
+* the README flag table's ``field`` column against :class:`~megatron_domino.base.config.DominoConfig`.
 
 Names resolve in this process: each module is imported with :mod:`importlib` and the rest
 walked with ``getattr``. A name one of this package's modules merely imports does not count
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from source_tree import REPO, library_modules, module_name
+from source_tree import REPO, checkout_modules, module_name
 
 #: ``../shared/`` beside a checkout holds the project's reference notes (``docs/domino.md``,
 #: ...); a checkout without that folder cannot check citations of them and skips them.
@@ -54,7 +54,8 @@ DOCUMENTS = sorted(
     + [*(REPO / "examples").glob("*.md")]
     + [path for path in [REPO / "patches" / "README.md"] if path.is_file()]
 )
-LIBRARY = list(library_modules().values())
+#: The package's modules and the lab's (``lab/``, beside the package).
+LIBRARY = list(checkout_modules().values())
 #: The other Python files: the entry point, the patch's scripts, the tests but this file
 #: (whose text holds stale names on purpose).
 SCRIPTS = sorted(
@@ -68,22 +69,27 @@ SCRIPTS.remove(Path(__file__).resolve())
 
 #: A Sphinx cross-reference, its target possibly ``~``-shortened and wrapped over a line.
 ROLE = re.compile(r":(?:py:)?(?:mod|class|func|data|meth|attr|exc|obj):`~?([\w.\s]+?)(?:\(\))?`")
-#: A dotted name in this package; possessive, so ``megatron_domino.egg-info`` (a folder) is
-#: not read as ``megatron_domino.egg``.
-DOTTED = re.compile(r"(?<![\w.])megatron_domino(?:\.\w+)++(?![\w/-])")
+#: A dotted name in this package or the lab; possessive, so ``megatron_domino.egg-info`` (a
+#: folder) is not read as ``megatron_domino.egg``.
+DOTTED = re.compile(r"(?<![\w./-])(?:megatron_domino|lab)(?:\.\w+)++(?![\w/-])")
 #: A dotted name in single or double backticks: ``a.b.c`` or ``a.b.c()``.
 BACKTICKED = re.compile(r"(?<!`)(``?)(\w+(?:\.\w+)+)(?:\(\))?\1(?!`)")
 #: A path under one of this checkout's top-level folders or ``shared/``, possibly relative
 #: (``../docs/cpu.md`` from ``examples/``).
 PATH = re.compile(
-    r"(?<![\w./-])((?:\.\./)*(?:megatron_domino|tests|docs|scripts|examples|patches|shared)"
+    r"(?<![\w./-])((?:\.\./)*(?:megatron_domino|lab|tests|docs|scripts|examples|patches|shared)"
     r"/[\w./*-]*)"
 )
 #: Last parts that make a backticked ``a.b`` a file's name (``state.py``, ``tokenizer.model``).
 FILE_SUFFIXES = set("py md sh json jsonl txt toml patch png cpp env log model bin idx yaml".split())
 #: Backticked short names whose first part is also the usual name of a Domino object:
 #: ``config.shape_problems`` is a DominoConfig's.
-SHORT_ALIASES = {"config": ["megatron_domino.config", "megatron_domino.config.DominoConfig"]}
+SHORT_ALIASES = {
+    "config": [
+        "megatron_domino.base.config",
+        "megatron_domino.base.config.DominoConfig",
+    ]
+}
 
 
 # --- the text ----------------------------------------------------------------------------------
@@ -279,7 +285,7 @@ def unresolved(dotted: str, written_in: str | None = None) -> str | None:
 def _is_project_name(name: str) -> bool:
     """Whether ``name`` is this package, one of its modules' basenames or a name one defines."""
     return (
-        name == "megatron_domino"
+        name in ("megatron_domino", "lab")
         or name in _modules_by_basename()
         or any(name in facts.defined for facts in library().values())
     )
@@ -318,7 +324,7 @@ def _candidates_for_short(text: str, parameters: frozenset[str]) -> list[str]:
     for a file's name (``state.py``) or a parameter's attribute (``block.layers``)."""
     head, _, rest = text.partition(".")
     tail = rest.rpartition(".")[2]
-    if head == "megatron_domino" or tail in FILE_SUFFIXES or head in parameters:
+    if head in ("megatron_domino", "lab") or tail in FILE_SUFFIXES or head in parameters:
         return []  # the first is DOTTED's
     if head in SHORT_ALIASES:
         return [f"{prefix}.{rest}" for prefix in SHORT_ALIASES[head]]
@@ -380,7 +386,7 @@ def path_citations(source: Iterable[Passage]) -> Iterator[tuple[Citation, str | 
             if shared and not SHARED.is_dir():
                 continue
             places = [REPO / text, passage.file.parent / text]
-            if not (shared or text.startswith("megatron_domino/")):
+            if not (shared or text.startswith(("megatron_domino/", "lab/"))):
                 if not (text.endswith("/") or Path(text).suffix):
                     continue
                 if not any(place.parent.is_dir() for place in places):
@@ -407,7 +413,7 @@ def test_every_cited_path_exists():
 def test_the_flag_table_names_the_config_fields():
     """The README's flag table gives the :class:`DominoConfig` field each flag sets; the parser
     is generated from the fields (``add_domino_args``), so the table must name the same."""
-    from megatron_domino.config import DominoConfig
+    from megatron_domino.base.config import DominoConfig
 
     field_of = {f.metadata["flag"]: f.name for f in dataclasses.fields(DominoConfig)}
     wrong, header = [], None
@@ -430,12 +436,12 @@ def test_the_flag_table_names_the_config_fields():
     "text, module",
     [
         ("`sequence_parallel.SavedInputRegather`", None),
-        ("``integration.fsdp_problems``", "megatron_domino.megatron_lm"),
-        (":class:`~megatron_domino.harness.cpu_runtime.Patch` es", "megatron_domino.apply"),
+        ("``integration.fsdp_problems``", "megatron_domino.training.megatron_lm"),
+        (":class:`~megatron_domino.runtime.cpu_runtime.Patch` es", "megatron_domino.apply"),
         (":func:`fsdp_problems`", "megatron_domino.apply"),
         ("``config.split``", None),
-        ("megatron_domino.saved_shards.NoSuchThing", None),
-        ("(see docs/no_such_page.md sec. 6)", "megatron_domino.version"),
+        ("megatron_domino.communication.saved_shards.NoSuchThing", None),
+        ("(see docs/no_such_page.md sec. 6)", "megatron_domino.base.version"),
         ("`megatron_domino/no_such_module.py`", None),
     ],
 )

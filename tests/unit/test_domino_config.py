@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from megatron_domino.config import DominoConfig, DominoConfigError, add_domino_args
+from megatron_domino.base.config import DominoConfig, DominoConfigError, add_domino_args
 
 
 def _parse(*flags: str) -> argparse.Namespace:

@@ -1,4 +1,5 @@
-"""The library's modules import each other in one direction: no circle, type-only ones included.
+"""The package's and the lab's modules import each other in one direction: no circle, type-only
+ones included (the folders' order: ``test_import_layers.py``).
 
 A circle that is harmless today (an import under ``TYPE_CHECKING``) still ties two modules so
 that neither can be read, moved or tested without the other; state the schedule keeps (the
@@ -11,12 +12,13 @@ from __future__ import annotations
 
 import ast
 
-from source_tree import library_modules
+from source_tree import checkout_modules
 
 
 def import_graph() -> dict[str, set[str]]:
-    """``module -> the library modules it imports`` (at any depth: functions, ``TYPE_CHECKING``)."""
-    modules = library_modules()
+    """``module -> the checkout's modules it imports`` (at any depth: functions,
+    ``TYPE_CHECKING``)."""
+    modules = checkout_modules()
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         for node in ast.walk(ast.parse(path.read_text())):

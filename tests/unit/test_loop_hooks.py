@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_domino.config import DominoConfig
+from megatron_domino.base.config import DominoConfig
 from megatron_domino.training import loop_hooks
 from megatron_domino.training.domino_ab import DominoAB
 from megatron_domino.training.domino_report import DominoOverlapReport

@@ -10,8 +10,8 @@ import torch
 from megatron.core.datasets import utils as datasets_utils
 from megatron.training import training as megatron_training
 
-from megatron_domino.harness.cpu_runtime import cpu_runtime_active
-from megatron_domino.harness.patch import Patch, PatchError
+from megatron_domino.runtime.cpu_runtime import cpu_runtime_active
+from megatron_domino.runtime.patch import Patch, PatchError
 from megatron_domino.training.loop_runtime import (
     CPU_LOOP_PATCHES,
     WHEEL_PATCHES,

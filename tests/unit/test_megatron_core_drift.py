@@ -22,10 +22,10 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from tiny_models import TINY
 
-from megatron_domino.config import DominoConfig
-from megatron_domino.harness.gpt_model import GPTOptions, transformer_config
+from lab.models.gpt_model import GPTOptions, transformer_config
+from megatron_domino.base.config import DominoConfig
+from megatron_domino.engine.row_output import LOCAL_ROW
 from megatron_domino.refusals import config_problems, layer_problems
-from megatron_domino.row_output import LOCAL_ROW
 
 
 class _RecordingRowLinear(SimpleNamespace):

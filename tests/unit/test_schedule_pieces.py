@@ -15,13 +15,13 @@ import pytest
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from megatron_domino import chunking, schedule
-from megatron_domino.config import DominoConfig, DominoConfigError
-from megatron_domino.linears import capture_row_input, column_parallel_forward
+from megatron_domino.base.config import DominoConfig, DominoConfigError
+from megatron_domino.base.recorder import NULL_RECORDER
+from megatron_domino.engine import chunking, schedule
+from megatron_domino.engine.linears import capture_row_input, column_parallel_forward
+from megatron_domino.engine.row_output import LOCAL_ROW
+from megatron_domino.engine.te_linears import TE_ROW, te_column_parallel_forward
 from megatron_domino.plan import LAYER_PLAN, layer_forward
-from megatron_domino.recorder import NULL_RECORDER
-from megatron_domino.row_output import LOCAL_ROW
-from megatron_domino.te_linears import TE_ROW, te_column_parallel_forward
 
 LAYER_OPS = (
     "attention_norm",

@@ -1,0 +1,299 @@
+"""The chunked schedule: a transformer block's forward as a wavefront over chunks.
+
+The block input ``[s, b, h]`` is split into ``p`` chunks (:mod:`megatron_domino.engine.chunking`):
+along ``b`` into ``[s, b/p, h]`` (samples never interact inside a transformer, so each chunk
+runs the layer stack on its own), or along ``s`` into ``[s/p, b, h]`` (whose attention also
+reads the earlier chunks' keys, :mod:`megatron_domino.engine.chunk_attention`). Shapes below are
+written for the batch split. Each layer is, per chunk, six ops that call Megatron-Core's own
+submodules:
+
+=====================  =============================================================  =====
+op                     work (all on this chunk)                                       kind
+=====================  =============================================================  =====
+attention_norm         [wait mlp all-reduce of layer l-1; mlp bias-dropout-add], or   P
+                       [wait the embedding's all-reduce, finish the embedding];
+                       input_layernorm; place the backward wait of the QKV dX
+attention_core         self_attention up to linear_proj: QKV, RoPE, core attention    H
+attention_projection   linear_proj GEMM (k pieces); launch its all-reduce(s)          R
+mlp_norm               wait; self-attention bias-dropout-add; pre_mlp_layernorm;     P
+                       place the backward wait of the fc1 dX
+mlp_core               mlp up to linear_fc2: fc1, activation                          H
+mlp_projection         linear_fc2 GEMM (k pieces); launch its all-reduce(s)           R
+=====================  =============================================================  =====
+
+and a final ``finish`` (wait, mlp bias-dropout-add) after the last layer of a segment; where
+the output layer takes its input gradient per chunk, the block's last finish also runs the
+final norm per chunk (:func:`with_head_wait`), and one more op, ``logits``, the chunk's
+output-layer GEMM (:func:`~megatron_domino.engine.output_head.chunk_logits`): one tick after chunk
+``c``'s finish, so it runs after chunk ``c+1``'s last projection has launched its all-reduce
+and before chunk ``c+1``'s finish waits for it.
+
+**Wavefront.** At tick ``t`` chunk ``c`` runs its op ``t - c``. So chunk ``c+1``'s core runs
+between chunk ``c``'s projection (launch) and its next norm (wait): every forward all-reduce
+flies behind another chunk's GEMMs. For ``p = 2`` this is exactly the order of the Domino
+paper (arXiv 2409.15241, sec. 4). In backward, autograd runs ready nodes latest-created first;
+because another chunk's projection op was created between a chunk's norm (where the dX wait
+sits) and its core (whose column linear launches the dX all-reduce), that projection's
+backward GEMMs run while the dX all-reduce flies.
+
+**Segments.** With inter-layer overlap the whole stack is one segment: the last chunk's MLP
+all-reduce of layer ``l`` is waited in layer ``l+1``'s ``attention_norm``. Without it, each
+layer is a segment that ends with every chunk's ``finish``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.utils import make_viewless_tensor
+
+from megatron_domino.base.recorder import CollectiveLabel
+from megatron_domino.communication.collectives import DgradAllReduce, SequenceCollective
+from megatron_domino.communication.saved_shards import SavedInputRegather
+from megatron_domino.communication.sequence_parallel import launch_gather, wait_gather
+from megatron_domino.communication.te_fp8_inputs import fp8_input_quantizer, quantized_norm_output
+from megatron_domino.engine.backward_overlap import wait_for_dgrad_reduce
+from megatron_domino.engine.linears import row_projection
+from megatron_domino.engine.output_head import place_head_wait
+from megatron_domino.engine.state import ChunkState, DominoRuntime
+
+Op = Callable[[ChunkState], None]
+
+
+class LayerOps:
+    """The ops of one :class:`TransformerLayer` for any chunk (see the module docstring).
+
+    Args:
+        runtime: the model's Domino runtime (step state, settings, recorder).
+        layer: the Megatron-Core layer whose submodules the ops call.
+        index: the layer's 0-based position in the block (for labels).
+        previous: the layer before in the same segment, whose MLP all-reduce this layer's
+            ``attention_norm`` finishes (inter-layer overlap); ``None`` for a segment's first.
+    """
+
+    def __init__(
+        self,
+        runtime: DominoRuntime,
+        layer: TransformerLayer,
+        index: int,
+        previous: LayerOps | None,
+    ) -> None:
+        self.runtime = runtime
+        self.layer = layer
+        self.index = index
+        self.previous = previous
+
+    def ops(self) -> list[tuple[str, Op]]:
+        return [
+            ("attention_norm", self.attention_norm),
+            ("attention_core", self.attention_core),
+            ("attention_projection", functools.partial(self.projection, "attention")),
+            ("mlp_norm", self.mlp_norm),
+            ("mlp_core", self.mlp_core),
+            ("mlp_projection", functools.partial(self.projection, "mlp")),
+        ]
+
+    def attention_norm(self, chunk: ChunkState) -> None:
+        if self.previous is not None:
+            self.previous.finish(chunk)
+        if chunk.pending_embedding is not None:
+            chunk.hidden, chunk.pending_embedding = chunk.pending_embedding.finish(), None
+        norm, hidden = self.layer.input_layernorm, chunk.hidden
+        normed, chunk.residual = self._norm(norm, hidden)
+        chunk.linear_input = self._prepare_column_input(normed, chunk, "attention", norm, hidden)
+
+    def attention_core(self, chunk: ChunkState) -> None:
+        attention = self.layer.self_attention
+        self._finish_gather(chunk)
+        with self.runtime.acting_for(chunk, self.index, "attention", defer=attention.linear_proj):
+            attention(chunk.linear_input, **chunk.attention_inputs)
+
+    def projection(self, sublayer: str, chunk: ChunkState) -> None:
+        """Run the row-parallel GEMM the core op captured; launch its collectives."""
+        chunk.pending, chunk.pending_bias = row_projection(
+            self.runtime, chunk, self.index, sublayer
+        )
+
+    def mlp_norm(self, chunk: ChunkState) -> None:
+        norm, hidden = (
+            self.layer.pre_mlp_layernorm,
+            self._bias_dropout_add(self.layer.self_attn_bda, chunk),
+        )
+        normed, chunk.residual = self._norm(norm, hidden)
+        chunk.linear_input = self._prepare_column_input(normed, chunk, "mlp", norm, hidden)
+
+    def mlp_core(self, chunk: ChunkState) -> None:
+        self._finish_gather(chunk)
+        with self.runtime.acting_for(chunk, self.index, "mlp", defer=self.layer.mlp.linear_fc2):
+            self.layer.mlp(chunk.linear_input)
+
+    def finish(self, chunk: ChunkState) -> None:
+        """Wait for this layer's MLP all-reduce and add it to the residual stream."""
+        hidden = self._bias_dropout_add(self.layer.mlp_bda, chunk)
+        chunk.hidden = make_viewless_tensor(
+            inp=hidden, requires_grad=hidden.requires_grad, keep_graph=True
+        )
+        chunk.residual = None
+
+    def _norm(self, norm, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm output, residual)`` for ``hidden`` ``[s, b/p, h]``, as the stock layer forms them.
+
+        The residual is ``hidden``, unless the norm returns ``(output, residual)`` itself
+        (Megatron-Core 0.19's fused-residual norms); with ``fp32_residual_connection`` it is
+        kept in fp32.
+        """
+        normed, residual = norm(hidden), hidden
+        if isinstance(normed, tuple):
+            normed, residual = normed
+        if self.layer.config.fp32_residual_connection:
+            residual = residual.float()
+        return normed, residual
+
+    def _bias_dropout_add(self, bda_module, chunk: ChunkState) -> torch.Tensor:
+        """Wait for the sub-layer's all-reduce, then Megatron's bias-dropout-add ``[s, b/p, h]``.
+
+        Under sequence parallelism the wait's backward also launches the re-gather of the
+        sub-layer's column-linear input, whose backward comes after another chunk's core op.
+        """
+        regather, chunk.input_regather = chunk.input_regather, None
+        output = chunk.pending.wait(regather.launch if regather is not None else None)
+        bias, chunk.pending, chunk.pending_bias = chunk.pending_bias, None, None
+        layer = self.layer
+        with layer.bias_dropout_add_exec_handler():
+            return bda_module(layer.training, layer.config.bias_dropout_fusion)(
+                (output, bias), chunk.residual, layer.hidden_dropout
+            )
+
+    def _prepare_column_input(
+        self,
+        normed: torch.Tensor,
+        chunk: ChunkState,
+        sublayer: str,
+        norm: torch.nn.Module,
+        hidden: torch.Tensor,
+    ) -> torch.Tensor:
+        """Ready the norm output ``[s or s/tp, b/p, h]`` for the next column-parallel linear.
+
+        Under sequence parallelism: launch its all-gather (waited in the core op; in FP8 when
+        the linear is Transformer Engine's under an FP8 autocast, as stock TE gathers it:
+        ``norm`` run again on ``hidden`` with the linear's input quantizer, its fp32 result
+        cast once, :mod:`megatron_domino.communication.te_fp8_inputs`), and with autograd on, prepare the
+        linear to keep only this rank's shard (``normed``, or its FP8 cast) for backward.
+        Otherwise, with backward overlap: place the backward wait of the linear's dX all-reduce.
+        """
+        runtime = self.runtime
+        grad = torch.is_grad_enabled() and normed.requires_grad
+        if runtime.sequence_parallel:
+            label = CollectiveLabel(f"{sublayer}_ag", self.index, chunk.index, runtime.recorder)
+            chunk.gather_slot = SequenceCollective(runtime.tp_group, label)
+            runtime.step.sequence_slots.append(chunk.gather_slot)
+            quantizer = fp8_input_quantizer(self._column_linear(sublayer))
+            quantized = (
+                None
+                if quantizer is None
+                else quantized_norm_output(norm, hidden, quantizer, runtime.tp_group)
+            )
+            if grad:
+                label = CollectiveLabel(
+                    f"{sublayer}_regather", self.index, chunk.index, runtime.recorder
+                )
+                chunk.input_regather = SavedInputRegather(
+                    runtime.tp_group, label, normed, quantized, quantizer
+                )
+                runtime.step.regathers.add(chunk.input_regather)
+            return launch_gather(normed, chunk.gather_slot, quantized, quantizer)
+        if not (runtime.config.backward_overlap and grad):
+            return normed
+        label = CollectiveLabel(f"{sublayer}_dgrad_ar", self.index, chunk.index, runtime.recorder)
+        chunk.dgrad_slot = DgradAllReduce(runtime.tp_group, label)
+        runtime.step.dgrad_slots.append(chunk.dgrad_slot)
+        return wait_for_dgrad_reduce(normed, chunk.dgrad_slot)
+
+    def _column_linear(self, sublayer: str) -> torch.nn.Module:
+        """The column-parallel linear the norm output of ``sublayer`` feeds."""
+        if sublayer == "attention":
+            return self.layer.self_attention.linear_qkv
+        return self.layer.mlp.linear_fc1
+
+    @staticmethod
+    def _finish_gather(chunk: ChunkState) -> None:
+        """Under sequence parallelism, wait for the column linear's gathered input ``[s, b/p, h]``."""
+        if chunk.gather_slot is not None:
+            chunk.linear_input = wait_gather(chunk.linear_input, chunk.gather_slot)
+            chunk.gather_slot = None
+
+
+def segment_ops(layer_ops: list[LayerOps]) -> list[tuple[str, int, Op]]:
+    """The op sequence of one segment: six ops per layer, then the last layer's finish."""
+    sequence = [(name, ops.index, op) for ops in layer_ops for name, op in ops.ops()]
+    sequence.append(("finish", layer_ops[-1].index, layer_ops[-1].finish))
+    return sequence
+
+
+def with_head_wait(
+    finish: tuple[str, int, Op], runtime: DominoRuntime, final_layernorm
+) -> tuple[str, int, Op]:
+    """The segment's ``finish`` op, followed by the final norm with the backward wait of the
+    output layer's all-reduce (:func:`~megatron_domino.engine.output_head.place_head_wait`).
+
+    In one op, so that chunk ``c``'s wait is created before the later chunks' last projection:
+    in backward that projection's GEMMs run between chunk ``c+1``'s wait and chunk ``c``'s,
+    while chunk ``c``'s all-reduce flies.
+    """
+    name, layer, op = finish
+
+    def finish_then_head_wait(chunk: ChunkState) -> None:
+        op(chunk)
+        place_head_wait(runtime, final_layernorm, layer, chunk)
+
+    return name, layer, finish_then_head_wait
+
+
+def run_wavefront(
+    runtime: DominoRuntime, sequence: list[tuple[str, int, Op]], chunks: list[ChunkState]
+) -> None:
+    """Run ``sequence`` on every chunk, chunk ``c`` lagging ``c`` ops behind chunk 0."""
+    recorder = runtime.recorder
+    for tick in range(len(sequence) + len(chunks) - 1):
+        for chunk in chunks:
+            position = tick - chunk.index
+            if 0 <= position < len(sequence):
+                name, layer, op = sequence[position]
+                with recorder.region(name, layer, chunk.index):
+                    op(chunk)
+
+
+def run_layers(
+    runtime: DominoRuntime,
+    layers,
+    chunks: list[ChunkState],
+    *,
+    first_index: int = 0,
+    final_layernorm: torch.nn.Module | None = None,
+) -> None:
+    """Run all ``layers`` on ``chunks`` (in place), one segment or one per layer.
+
+    ``first_index`` is the block position of ``layers[0]`` (for labels). With
+    ``final_layernorm``, the last segment's finish ends :func:`with_head_wait`, followed by
+    the ``logits`` op where the runtime has one.
+    """
+    inter_layer = runtime.config.inter_layer
+    segments: list[list[LayerOps]] = []
+    for index, layer in enumerate(layers, start=first_index):
+        previous = segments[-1][-1] if inter_layer and segments else None
+        ops = LayerOps(runtime, layer, index, previous)
+        if previous is None:
+            segments.append([ops])
+        else:
+            segments[-1].append(ops)
+    for number, segment in enumerate(segments, start=1):
+        sequence = segment_ops(segment)
+        if final_layernorm is not None and number == len(segments):
+            sequence[-1] = with_head_wait(sequence[-1], runtime, final_layernorm)
+            if runtime.chunk_logits is not None:
+                logits = functools.partial(runtime.chunk_logits, runtime)
+                sequence.append(("logits", segment[-1].index, logits))
+        run_wavefront(runtime, sequence, chunks)
