@@ -1,4 +1,4 @@
-"""A reversible attribute patch: the one way the harness and the training hooks replace
+"""A reversible attribute patch: the one way the CPU runtime and the training hooks replace
 something of Megatron-Core's or torch's for a while.
 
 Each patch names what it replaces and why, checks that the owner still defines the attribute

@@ -20,7 +20,7 @@ keep the old name until a reader follows it into nothing. This test follows ever
 
 Names resolve in this process: each module is imported with :mod:`importlib` and the rest
 walked with ``getattr``. A name one of this package's modules merely imports does not count
-there (``cpu_runtime.Patch`` is ``harness.patch``'s); an attribute that exists only on
+there (``cpu_runtime.Patch`` is ``runtime.patch``'s); an attribute that exists only on
 instances counts when its class declares it (a dataclass field, an annotation,
 ``self.<name> =`` in its source). Nothing is started: the imports, Megatron-Core's included,
 are the whole cost, a few seconds.
