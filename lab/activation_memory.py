@@ -13,8 +13,7 @@ all three in one forward and backward of the same model and batch, stock and wit
   count of what passes the saved-tensor hooks would not see;
 * **casts**: FP8 casts of a weight (``transformer_engine_torch.quantize`` called on a
   parameter), for the first micro-batch of a global batch (stock: one per weight);
-* **fwd / bwd bytes**: payload of every TP collective (:mod:`megatron_domino.analysis.
-  collective_bytes`), forward and backward apart.
+* **fwd / bwd bytes**: payload of every TP collective (:mod:`lab.analysis.collective_bytes`), forward and backward apart.
 
 :func:`measure` runs that on ``tp`` gloo ranks (:mod:`lab.launch.ranks`) and
 reports rank 0's numbers (every rank holds the same shapes). The model is Llama-shaped, bf16

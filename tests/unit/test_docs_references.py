@@ -83,12 +83,13 @@ PATH = re.compile(
 #: Last parts that make a backticked ``a.b`` a file's name (``state.py``, ``tokenizer.model``).
 FILE_SUFFIXES = set("py md sh json jsonl txt toml patch png cpp env log model bin idx yaml".split())
 #: Backticked short names whose first part is also the usual name of a Domino object:
-#: ``config.shape_problems`` is a DominoConfig's.
+#: ``config.shape_problems`` is a DominoConfig's, ``runtime.recorder`` a DominoRuntime's.
 SHORT_ALIASES = {
     "config": [
         "megatron_domino.base.config",
         "megatron_domino.base.config.DominoConfig",
-    ]
+    ],
+    "runtime": ["megatron_domino.runtime", "megatron_domino.engine.state.DominoRuntime"],
 }
 
 
