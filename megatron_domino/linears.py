@@ -33,6 +33,7 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_domino.backward_overlap import column_linear_async_dgrad
+from megatron_domino.collectives import SUBLAYER_LABELS
 from megatron_domino.placeholder_grads import drop_placeholder_gradient
 from megatron_domino.recorder import CollectiveLabel, time_backward
 from megatron_domino.row_output import DeferredRow, PendingReduce, RowGemm, output_dtype_option
@@ -72,7 +73,8 @@ def row_projection(
     deferred, chunk.deferred = chunk.deferred, None
     module, recorder = deferred.module, runtime.recorder
     scatter = runtime.sequence_parallel
-    label = CollectiveLabel(f"{sublayer}_{'rs' if scatter else 'ar'}", layer, chunk.index, recorder)
+    name = SUBLAYER_LABELS[sublayer].row_output(scatter)
+    label = CollectiveLabel(name, layer, chunk.index, recorder)
     pending = PendingReduce(
         runtime.tp_group, label, bias=deferred.gemm.bias_after_reduce(module), scatter=scatter
     )
