@@ -5,8 +5,9 @@ If the user asked for Domino and it cannot run, it raises
 it never falls back to the stock path silently (an A/B comparison would become baseline vs
 baseline). The rules come in three levels, each a function returning the reasons:
 
-* :func:`config_problems`: what a ``TransformerConfig`` and the TP size say (features in
-  :data:`REFUSED_FEATURES`, recompute, the shapes, Transformer Engine settings). It needs no
+* :func:`config_problems`: what a ``TransformerConfig`` and the TP size say (the attributes
+  :data:`~megatron_domino.refusal_table.REFUSALS` names, recompute, the shapes, Transformer
+  Engine settings). It needs no
   model, so the training script runs it on the parsed flags before anything is built
   (:func:`megatron_domino.training.megatron_lm.check_args`, with :func:`fsdp_problems`);
 * :func:`model_problems`: the same on a built block, plus what only the built modules show:
@@ -16,6 +17,8 @@ baseline). The rules come in three levels, each a function returning the reasons
 * :func:`raise_problems` turns reasons into the one error.
 
 It is longer than the other modules because it is the complete list, kept together on purpose.
+Each refusal is also a row of the README's support table,
+:data:`~megatron_domino.refusal_table.REFUSALS`.
 """
 
 from __future__ import annotations
@@ -34,10 +37,10 @@ from torch.distributed.tensor import DTensor
 from megatron_domino.base.config import DominoConfig, DominoUnsupportedError
 from megatron_domino.base.version import check_transformer_engine_version
 from megatron_domino.plan import LAYER_PLAN, LINEARS, Target, is_te_core_attention, is_te_linear
+from megatron_domino.refusal_table import config_refusals
 from megatron_domino.specs.te_spec import TENormsApartLayer
 
 __all__ = [
-    "REFUSED_FEATURES",
     "config_problems",
     "fsdp_problems",
     "layer_problems",
@@ -49,97 +52,6 @@ __all__ = [
     "te_problems",
     "te_sequence_parallel_problems",
 ]
-
-#: (TransformerConfig attribute, is-refused predicate, reason and fix)
-REFUSED_FEATURES = (
-    (
-        "tp_comm_overlap",
-        bool,
-        "TE userbuffer overlap (tp_comm_overlap) takes over the same collectives; use one or the other",
-    ),
-    ("enable_cuda_graph", bool, "CUDA graphs bypass forward(); disable CUDA graphs"),
-    ("external_cuda_graph", bool, "CUDA graphs bypass forward(); disable CUDA graphs"),
-    (
-        "cuda_graph_impl",
-        lambda v: v not in (None, "none", "full_iteration"),
-        "CUDA graphs bypass forward(): per-layer graphs replay each layer's own forward, not "
-        "Domino's block schedule (by design); set --cuda-graph-impl none",
-    ),
-    (
-        "cuda_graph_impl",
-        lambda v: v == "full_iteration",
-        "--cuda-graph-impl full_iteration waits for a GPU to capture and replay a Domino step "
-        "(python -m lab.gpu_check --parts capture; the CPU-side checks pass, "
-        "tests/ranks/test_capture_safety.py); set --cuda-graph-impl none until then",
-    ),
-    ("num_moe_experts", lambda v: v is not None, "MoE layers are not supported; use a dense model"),
-    (
-        "overlap_moe_expert_parallel_comm",
-        bool,
-        "MoE combined-1F1B overlap takes over the same layers; disable it",
-    ),
-    ("fp4", lambda v: v is not None, "FP4 is not supported; use FP8 (--fp8-format) or bf16"),
-    (
-        "first_last_layers_bf16",
-        bool,
-        "bf16 first/last layers enter an FP8 context per layer, which the chunked schedule "
-        "interleaves across layers; drop --first-last-layers-bf16",
-    ),
-    (
-        "symmetric_ar_type",
-        lambda v: v is not None,
-        "symmetric all-reduce replaces the collective Domino launches itself; drop "
-        "--symmetric-ar-type",
-    ),
-    ("cpu_offloading", bool, "activation CPU offloading is not supported; disable it"),
-    (
-        "fine_grained_activation_offloading",
-        bool,
-        "activation offloading is not supported; disable it",
-    ),
-    (
-        "context_parallel_size",
-        lambda v: (v or 1) > 1,
-        "context parallelism is not supported; use size 1",
-    ),
-    ("delay_wgrad_compute", bool, "delayed weight-gradient compute is not supported; disable it"),
-    (
-        "multi_latent_attention",
-        bool,
-        "multi-latent attention is not supported; use standard attention",
-    ),
-    (
-        "experimental_attention_variant",
-        lambda v: v is not None,
-        "experimental attention variants are not supported",
-    ),
-    ("inference_fuse_tp_communication", bool, "fused inference TP communication is not supported"),
-    (
-        "gtp_weight_remat_size",
-        lambda v: (v or 1) > 1,
-        "GTP weight sharding (--tensor-parallel-num-weight-shards above the TP size) gathers "
-        "each weight inside Megatron-Core's GEMM path, which Domino's chunked GEMMs replace; "
-        "drop --tensor-parallel-num-weight-shards",
-    ),
-    (
-        "quant_recipe",
-        lambda v: v is not None,
-        "per-module quantization recipes (--te-precision-config-file, Kitchen) enter a "
-        "quantization context in every linear call, i.e. once per chunk; drop them",
-    ),
-    (
-        "enable_mhc_connections",
-        bool,
-        "mHC residual streams (enable_mhc_connections, Megatron-Core 0.20) replace the layer's "
-        "residual adds with hyper-connections that Domino's schedule does not run; drop them",
-    ),
-    (
-        "mlp_chunks_for_training",
-        lambda v: (v or 1) > 1,
-        "mlp_chunks_for_training splits the MLP inside the stock layer forward, which the "
-        "Domino schedule replaces; leave it at 1",
-    ),
-)
 
 
 def recompute_problems(granularity: str | None, modules, *, fp8: bool) -> list[str]:
@@ -218,11 +130,7 @@ def config_problems(
         tp_size: the tensor-parallel size.
         te_layers: whether the layers are Transformer Engine's.
     """
-    problems = [
-        reason
-        for name, refused, reason in REFUSED_FEATURES
-        if refused(getattr(model_config, name, None))
-    ]
+    problems = config_refusals(model_config)
     if tp_size < 2:
         problems.append(
             "tensor-model-parallel size is 1, so there is no tensor-parallel "

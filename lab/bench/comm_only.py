@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lab.bench.noop_collectives import COLLECTIVE_KINDS, TP_COLLECTIVES
+from lab.bench.noop_collectives import COLLECTIVE_KINDS, swapped_tp_collectives
 
 __all__ = ["CollectiveCall", "CollectiveLog", "replay", "tp_collectives_logged"]
 
@@ -98,14 +98,10 @@ def tp_collectives_logged(tp_group: dist.ProcessGroup, log: CollectiveLog) -> It
     the original function object, so a call reaching ``torch.distributed`` through Megatron's
     import-time alias is logged once.
     """
-    originals = [(owner, name, getattr(owner, name)) for owner, name in TP_COLLECTIVES]
-    for owner, name, original in originals:
-        setattr(owner, name, _logging(original, COLLECTIVE_KINDS[name], tp_group, log))
-    try:
+    with swapped_tp_collectives(
+        lambda name, original: _logging(original, COLLECTIVE_KINDS[name], tp_group, log)
+    ):
         yield
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)
 
 
 def _launch(call: CollectiveCall, tp_group: dist.ProcessGroup, buffers: tuple) -> dist.Work:

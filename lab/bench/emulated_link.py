@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lab.bench.noop_collectives import COLLECTIVE_KINDS, TP_COLLECTIVES
+from lab.bench.noop_collectives import COLLECTIVE_KINDS, swapped_tp_collectives
 
 __all__ = ["EmulatedLink", "LinkEvent", "LinkModel", "LinkStats", "tp_collectives_emulated"]
 
@@ -590,11 +590,7 @@ def _routed(original, kind: str, link: EmulatedLink):
 @contextlib.contextmanager
 def tp_collectives_emulated(link: EmulatedLink) -> Iterator[EmulatedLink]:
     """Within the block, the TP collectives on ``link.group`` run on the emulated link."""
-    originals = [(owner, name, getattr(owner, name)) for owner, name in TP_COLLECTIVES]
-    for owner, name, original in originals:
-        setattr(owner, name, _routed(original, COLLECTIVE_KINDS[name], link))
-    try:
+    with swapped_tp_collectives(
+        lambda name, original: _routed(original, COLLECTIVE_KINDS[name], link)
+    ):
         yield link
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)

@@ -10,11 +10,13 @@ replaced where they are bound; calls on other groups (data parallel, barriers) r
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 from megatron.core.tensor_parallel import layers as tp_layers
 from megatron.core.tensor_parallel import mappings as tp_mappings
+
+from megatron_domino.runtime.patch import Patch
 
 #: (module, attribute) of every collective Megatron-Core's tensor parallelism and Domino call.
 #: ``layers.py`` and ``mappings.py`` bind the gather/scatter functions at import, so the
@@ -38,6 +40,22 @@ COLLECTIVE_KINDS = {
     "reduce_scatter_tensor": "reduce_scatter",
     "dist_reduce_scatter_func": "reduce_scatter",
 }
+
+
+@contextlib.contextmanager
+def swapped_tp_collectives(replace: Callable[[str, Callable], Callable]) -> Iterator[None]:
+    """Within the block, each attribute ``name`` of :data:`TP_COLLECTIVES` is
+    ``replace(name, original)``; the originals come back on exit, also when the block raises.
+
+    The one place the bench's arms (no-op, logged, emulated link) and the tests swap the TP
+    collectives; ``replace`` gets the attribute's name (its kind: :data:`COLLECTIVE_KINDS`)
+    and the function it replaces, which a wrapper calls for what it does not handle.
+    """
+    with contextlib.ExitStack() as stack:
+        for owner, name in TP_COLLECTIVES:
+            replacement = replace(name, getattr(owner, name))
+            stack.enter_context(Patch(owner, name, replacement, "swap a TP collective").applied())
+        yield
 
 
 class _CompletedWork:
@@ -71,11 +89,7 @@ def _skipping(original, tp_group: dist.ProcessGroup, zero_output: bool):
 @contextlib.contextmanager
 def tp_collectives_skipped(tp_group: dist.ProcessGroup) -> Iterator[None]:
     """Within the block, collectives on ``tp_group`` return at once and move no data."""
-    originals = [(owner, name, getattr(owner, name)) for owner, name in TP_COLLECTIVES]
-    for owner, name, original in originals:
-        setattr(owner, name, _skipping(original, tp_group, zero_output=name != "all_reduce"))
-    try:
+    with swapped_tp_collectives(
+        lambda name, original: _skipping(original, tp_group, zero_output=name != "all_reduce")
+    ):
         yield
-    finally:
-        for owner, name, original in originals:
-            setattr(owner, name, original)

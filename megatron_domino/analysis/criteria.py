@@ -39,8 +39,7 @@ from collections import Counter
 
 from megatron_domino.analysis.spans import CollectiveSpan
 from megatron_domino.base.config import DominoConfig
-from megatron_domino.engine.embedding_overlap import EMBEDDING_COLLECTIVE
-from megatron_domino.engine.output_head import HEAD_COLLECTIVE
+from megatron_domino.communication.collectives import EMBEDDING_AR, HEAD_DGRAD_AR
 
 __all__ = [
     "collective_counts",
@@ -117,9 +116,9 @@ def first_wait_of_an_end(span: CollectiveSpan, chunks: int) -> bool:
     """Chunk 0's embedding all-reduce (the forward's first wait) or the last chunk's
     output-layer all-reduce (the backward's first), of ``chunks`` chunks: nothing of another
     chunk can run before their waits."""
-    if span.name == EMBEDDING_COLLECTIVE:
+    if span.name == EMBEDDING_AR:
         return span.chunk == 0
-    return span.name == HEAD_COLLECTIVE and span.chunk == chunks - 1
+    return span.name == HEAD_DGRAD_AR and span.chunk == chunks - 1
 
 
 def overlap_criterion(config: DominoConfig, *, sequence_parallel: bool) -> str | None:

@@ -36,8 +36,7 @@ from megatron_domino.analysis.spans import (
     overlap_share,
     summarize,
 )
-from megatron_domino.engine.embedding_overlap import EMBEDDING_COLLECTIVE
-from megatron_domino.engine.output_head import HEAD_COLLECTIVE
+from megatron_domino.communication.collectives import EMBEDDING_AR, HEAD_DGRAD_AR
 
 DIRECTIONS = ("fwd", "bwd")
 _DIRECTION_WORDS = {"fwd": "forward", "bwd": "backward"}
@@ -123,9 +122,9 @@ def not_hidden(spans: list[CollectiveSpan]) -> list[NotHidden]:
 def _row_of(span: CollectiveSpan) -> tuple[int, str]:
     """Where a collective's row sorts and its label: the embedding's first, then the layers,
     the output layer's last."""
-    if span.name == EMBEDDING_COLLECTIVE:
+    if span.name == EMBEDDING_AR:
         return -1, "emb"
-    if span.name == HEAD_COLLECTIVE:
+    if span.name == HEAD_DGRAD_AR:
         return sys.maxsize, "head"
     return span.layer, str(span.layer)
 

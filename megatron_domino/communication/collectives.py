@@ -21,11 +21,28 @@ wait, and drops the handles once waited. The kinds:
 The sequence-parallel re-gather of a column linear's saved input
 (:class:`~megatron_domino.communication.saved_shards.SavedInputRegather`) is an :class:`InFlight` too: the
 all-gathers of every tensor it kept, launched and waited as one collective.
+
+**Where is a collective launched, and where is it waited?** Look its recorder label up in
+:data:`COLLECTIVE_SITES`, the one table of every collective Domino issues (16 rows): per
+label and direction, its kind, and the call path of its launch and of its wait as
+``module:function``, outermost first (a forward path starts at the schedule's op in
+:class:`~megatron_domino.engine.schedule.LayerOps`, a backward one at the autograd node the engine
+calls). E.g. chunk ``c``'s ``attention_ar`` is launched by the ``attention_projection`` op
+(``schedule:LayerOps.projection -> linears:row_projection -> row_output:PendingReduce.launch``)
+and waited by the ``mlp_norm`` op (``schedule:LayerOps._bias_dropout_add ->
+row_output:PendingReduce.wait``). The labels are the constants below (:data:`SUBLAYER_LABELS`,
+:data:`EMBEDDING_AR`, :data:`HEAD_DGRAD_AR`), the only place their strings are written; a
+traced step records exactly the table's labels and call paths
+(``tests/ranks/test_collective_sites.py``). Not in the table: Megatron-Core's own collectives
+where Domino leaves them to stock (the vocab-parallel cross entropy, the embedding and output
+layer under sequence parallelism, TE's column-linear backward without it) and the GPU check's
+synthetic ``inflight_check``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -33,7 +50,203 @@ import torch.distributed as dist
 from megatron_domino.base.recorder import LAUNCH, WAIT_BEGIN, WAIT_END, CollectiveLabel
 from megatron_domino.communication.te_fp8_inputs import quantized_gather
 
-__all__ = ["DgradAllReduce", "ForwardAllReduce", "InFlight", "SequenceCollective"]
+__all__ = [
+    "COLLECTIVE_SITES",
+    "EMBEDDING_AR",
+    "HEAD_DGRAD_AR",
+    "SUBLAYER_LABELS",
+    "CollectiveSite",
+    "DgradAllReduce",
+    "ForwardAllReduce",
+    "InFlight",
+    "SequenceCollective",
+    "SublayerLabels",
+    "collective_site",
+]
+
+ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER = "all_reduce", "all_gather", "reduce_scatter"
+
+
+@dataclass(frozen=True)
+class SublayerLabels:
+    """The recorder labels of one sub-layer's collectives (attention's or the MLP's).
+
+    Attributes:
+        output_ar: the row linear's output all-reduce (forward).
+        output_rs: under sequence parallelism, its reduce-scatter (forward) and that one's
+            backward twin, the all-gather of the output gradient.
+        input_dgrad_ar: the column linear's input-gradient all-reduce (backward).
+        input_ag: under sequence parallelism, the all-gather of the column linear's input
+            (forward) and its backward twin, the reduce-scatter of the input gradient.
+        input_regather: under sequence parallelism, the backward re-gather of the column
+            linear's saved input shard.
+    """
+
+    output_ar: str
+    output_rs: str
+    input_dgrad_ar: str
+    input_ag: str
+    input_regather: str
+
+    def row_output(self, sequence_parallel: bool) -> str:
+        """The label of the row linear's output collective."""
+        return self.output_rs if sequence_parallel else self.output_ar
+
+
+#: Per sub-layer, the labels of its collectives.
+SUBLAYER_LABELS = {
+    "attention": SublayerLabels(
+        output_ar="attention_ar",
+        output_rs="attention_rs",
+        input_dgrad_ar="attention_dgrad_ar",
+        input_ag="attention_ag",
+        input_regather="attention_regather",
+    ),
+    "mlp": SublayerLabels(
+        output_ar="mlp_ar",
+        output_rs="mlp_rs",
+        input_dgrad_ar="mlp_dgrad_ar",
+        input_ag="mlp_ag",
+        input_regather="mlp_regather",
+    ),
+}
+#: The word embedding's all-reduce, per chunk (:mod:`megatron_domino.engine.embedding_overlap`).
+EMBEDDING_AR = "embedding_ar"
+#: The output layer's input-gradient all-reduce, per chunk (:mod:`megatron_domino.engine.output_head`).
+HEAD_DGRAD_AR = "head_dgrad_ar"
+
+
+@dataclass(frozen=True)
+class CollectiveSite:
+    """One collective Domino issues: a row of :data:`COLLECTIVE_SITES`.
+
+    Attributes:
+        label: the recorder's name (:class:`~megatron_domino.base.recorder.CollectiveLabel`).
+        kind: ``all_reduce``, ``all_gather`` or ``reduce_scatter``.
+        direction: ``fwd`` or ``bwd`` (the recorder's direction of its launch and wait).
+        launched_in: the call path that launches it, outermost first, each ``module:function``
+            (module relative to ``megatron_domino``).
+        waited_in: the call path that waits for it, likewise.
+        what: what it moves, and who places its launch and wait.
+    """
+
+    label: str
+    kind: str
+    direction: str
+    launched_in: tuple[str, ...]
+    waited_in: tuple[str, ...]
+    what: str
+
+
+def _sublayer_sites(sublayer: str, norm_op: str, core_op: str, wait_op: str):
+    """The rows of one sub-layer: its norm op ``norm_op`` prepares the column linear's input,
+    its core op ``core_op`` runs the column linear, the op ``wait_op`` waits for the row output."""
+    labels = SUBLAYER_LABELS[sublayer]
+    norm = ("schedule:LayerOps." + norm_op, "schedule:LayerOps._prepare_column_input")
+    core = ("schedule:LayerOps." + core_op, "schedule:LayerOps._finish_gather")
+    project = ("schedule:LayerOps.projection", "linears:row_projection")
+    reduced = ("schedule:LayerOps." + wait_op, "schedule:LayerOps._bias_dropout_add")
+    reduced += ("row_output:PendingReduce.wait",)
+    column, row = ("QKV", "linear_proj") if sublayer == "attention" else ("fc1", "linear_fc2")
+    return (
+        CollectiveSite(
+            labels.output_ar,
+            ALL_REDUCE,
+            "fwd",
+            (*project, "row_output:PendingReduce.launch", "collectives:ForwardAllReduce.launch"),
+            reduced,
+            f"{row}'s partial sum [s, b/p, h/k], per column piece; backward: identity",
+        ),
+        CollectiveSite(
+            labels.input_dgrad_ar,
+            ALL_REDUCE,
+            "bwd",
+            (
+                "backward_overlap:_ColumnLinearAsyncDgrad.backward",
+                "collectives:DgradAllReduce.launch",
+            ),
+            ("backward_overlap:_WaitForDgradReduce.backward", "collectives:DgradAllReduce.wait"),
+            f"{column}'s input gradient [s, b/p, h]; the wait is placed on its input by "
+            f"{norm_op}, the launch by linears:column_parallel_forward (with backward overlap)",
+        ),
+        CollectiveSite(
+            labels.input_ag,
+            ALL_GATHER,
+            "fwd",
+            (*norm, "sequence_parallel:_GatherLaunch.forward"),
+            (*core, "sequence_parallel:_GatherWait.forward"),
+            f"SP: {column}'s input [s/tp, b/p, h] -> [s, b/p, h] (FP8 bits under FP8 on TE)",
+        ),
+        CollectiveSite(
+            labels.input_ag,
+            REDUCE_SCATTER,
+            "bwd",
+            ("sequence_parallel:_GatherWait.backward",),
+            ("sequence_parallel:_GatherLaunch.backward",),
+            f"SP: {column}'s input gradient [s, b/p, h] -> [s/tp, b/p, h] ({labels.input_ag}'s "
+            "backward twin, same slot)",
+        ),
+        CollectiveSite(
+            labels.output_rs,
+            REDUCE_SCATTER,
+            "fwd",
+            (
+                *project,
+                "row_output:PendingReduce.launch",
+                "sequence_parallel:_ScatterLaunch.forward",
+            ),
+            (*reduced, "sequence_parallel:_ScatterWait.forward"),
+            f"SP: {row}'s partial sum [s, b/p, h/k] -> [s/tp, b/p, h/k], per column piece",
+        ),
+        CollectiveSite(
+            labels.output_rs,
+            ALL_GATHER,
+            "bwd",
+            ("sequence_parallel:_ScatterWait.backward",),
+            ("sequence_parallel:_ScatterLaunch.backward",),
+            f"SP: {row}'s output gradient [s/tp, b/p, h/k] -> [s, b/p, h/k] "
+            f"({labels.output_rs}'s backward twin, same slot)",
+        ),
+        CollectiveSite(
+            labels.input_regather,
+            ALL_GATHER,
+            "bwd",
+            ("sequence_parallel:_ScatterWait.backward", "saved_shards:SavedInputRegather.launch"),
+            ("saved_shards:SavedInputRegather._unpack", "saved_shards:SavedInputRegather._wait"),
+            f"SP: the shard of {column}'s input kept for backward, gathered again (launched "
+            "right after the same chunk's output-gradient gather, waited by the first saved "
+            "tensor the column linear's backward unpacks)",
+        ),
+    )
+
+
+#: Every collective Domino issues: one row per (label, direction). Read a row as "chunk c's
+#: ``label`` is launched in ``launched_in`` and waited in ``waited_in``" (module docstring).
+COLLECTIVE_SITES: tuple[CollectiveSite, ...] = (
+    CollectiveSite(
+        EMBEDDING_AR, ALL_REDUCE, "fwd",
+        ("embedding_overlap:embedding_forward", "collectives:ForwardAllReduce.launch"),
+        ("schedule:LayerOps.attention_norm", "end_handoffs:PendingEmbedding.finish"),
+        "the word embedding's partial sum [b/p, s, h], per chunk; waited by layer 0's first op",
+    ),
+    *_sublayer_sites("attention", "attention_norm", "attention_core", "mlp_norm"),
+    *_sublayer_sites("mlp", "mlp_norm", "mlp_core", "finish"),
+    CollectiveSite(
+        HEAD_DGRAD_AR, ALL_REDUCE, "bwd",
+        ("output_head:_OutputLayerChunkedDgrad.backward", "collectives:DgradAllReduce.launch"),
+        ("backward_overlap:_WaitForDgradReduce.backward", "collectives:DgradAllReduce.wait"),
+        "the output layer's input gradient [s, b/p, h], per chunk, last chunk first; the wait "
+        "is placed on the final norm's output by output_head:place_head_wait",
+    ),
+)  # fmt: skip
+
+
+def collective_site(label: str, direction: str) -> CollectiveSite:
+    """The row of :data:`COLLECTIVE_SITES` for ``label`` in ``direction``."""
+    for site in COLLECTIVE_SITES:
+        if site.label == label and site.direction == direction:
+            return site
+    raise KeyError(f"no collective {label!r} in {direction} in COLLECTIVE_SITES")
 
 
 class InFlight:

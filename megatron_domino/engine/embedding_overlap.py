@@ -39,20 +39,17 @@ from megatron.core.tensor_parallel import layers as megatron_layers
 from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 
 from megatron_domino.base.recorder import CollectiveLabel
-from megatron_domino.communication.collectives import ForwardAllReduce
+from megatron_domino.communication.collectives import EMBEDDING_AR, ForwardAllReduce
 from megatron_domino.engine.end_handoffs import EmbeddingHandoff, PendingEmbedding
 
 if TYPE_CHECKING:
     from megatron_domino.engine.state import DominoRuntime
 
 __all__ = [
-    "EMBEDDING_COLLECTIVE",
     "embedding_forward",
     "embedding_problems",
 ]
 
-#: The recorder's name for a chunk's embedding all-reduce.
-EMBEDDING_COLLECTIVE = "embedding_ar"
 #: The dimension of the embedding's ``[b, s, h]`` each split cuts.
 _PARTIAL_SPLIT_DIMS = {"batch": 0, "sequence": 1}
 
@@ -123,7 +120,7 @@ def embedding_forward(
     for c, (word_rows, position_rows) in enumerate(
         zip(partial.chunk(p, dim=dim), positions, strict=True)
     ):
-        label = CollectiveLabel(EMBEDDING_COLLECTIVE, 0, c, runtime.recorder)
+        label = CollectiveLabel(EMBEDDING_AR, 0, c, runtime.recorder)
         slot = ForwardAllReduce(runtime.tp_group, label)
         in_flight = slot.launch(word_rows.contiguous())
         chunks.append(PendingEmbedding(slot, in_flight, module, position_rows))

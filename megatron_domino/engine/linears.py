@@ -33,6 +33,7 @@ import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
 from megatron_domino.base.recorder import CollectiveLabel, time_backward
+from megatron_domino.communication.collectives import SUBLAYER_LABELS
 from megatron_domino.communication.saved_shards import keeping_input_shards
 from megatron_domino.communication.te_fp8_inputs import fp8_grad_output_quantizer
 from megatron_domino.engine.backward_overlap import column_linear_async_dgrad
@@ -77,7 +78,8 @@ def row_projection(
     deferred, chunk.deferred = chunk.deferred, None
     module, recorder = deferred.module, runtime.recorder
     scatter = runtime.sequence_parallel
-    label = CollectiveLabel(f"{sublayer}_{'rs' if scatter else 'ar'}", layer, chunk.index, recorder)
+    name = SUBLAYER_LABELS[sublayer].row_output(scatter)
+    label = CollectiveLabel(name, layer, chunk.index, recorder)
     pending = PendingReduce(
         runtime.tp_group, label, bias=deferred.gemm.bias_after_reduce(module), scatter=scatter
     )

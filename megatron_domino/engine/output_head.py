@@ -51,7 +51,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.utils import prepare_input_tensors_for_wgrad_compute
 
 from megatron_domino.base.recorder import CollectiveLabel
-from megatron_domino.communication.collectives import DgradAllReduce
+from megatron_domino.communication.collectives import HEAD_DGRAD_AR, DgradAllReduce
 from megatron_domino.engine.backward_overlap import wait_for_dgrad_reduce, weight_gradient
 from megatron_domino.engine.chunking import SPLIT_DIMS
 
@@ -60,15 +60,11 @@ if TYPE_CHECKING:
     from megatron_domino.engine.state import ChunkState, DominoRuntime
 
 __all__ = [
-    "HEAD_COLLECTIVE",
     "chunk_logits",
     "output_layer_forward",
     "output_layer_problems",
     "place_head_wait",
 ]
-
-#: The recorder's name for the output layer's per-chunk input-gradient all-reduce.
-HEAD_COLLECTIVE = "head_dgrad_ar"
 
 
 def output_layer_problems(model: torch.nn.Module, chunks: int) -> list[str]:
@@ -96,7 +92,7 @@ def output_layer_problems(model: torch.nn.Module, chunks: int) -> list[str]:
 def place_head_wait(runtime: DominoRuntime, final_layernorm, layer: int, chunk: ChunkState):
     """The schedule's last op of a chunk: the final norm of its residual stream, with the
     backward wait of the output layer's input-gradient all-reduce on the result."""
-    label = CollectiveLabel(HEAD_COLLECTIVE, layer, chunk.index, runtime.recorder)
+    label = CollectiveLabel(HEAD_DGRAD_AR, layer, chunk.index, runtime.recorder)
     slot = DgradAllReduce(runtime.tp_group, label)
     runtime.step.head_slots.append(slot)
     chunk.hidden = wait_for_dgrad_reduce(final_layernorm(chunk.hidden), slot)

@@ -51,7 +51,11 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import make_viewless_tensor
 
 from megatron_domino.base.recorder import CollectiveLabel
-from megatron_domino.communication.collectives import DgradAllReduce, SequenceCollective
+from megatron_domino.communication.collectives import (
+    SUBLAYER_LABELS,
+    DgradAllReduce,
+    SequenceCollective,
+)
 from megatron_domino.communication.saved_shards import SavedInputRegather
 from megatron_domino.communication.sequence_parallel import launch_gather, wait_gather
 from megatron_domino.communication.te_fp8_inputs import fp8_input_quantizer, quantized_norm_output
@@ -184,10 +188,10 @@ class LayerOps:
         linear to keep only this rank's shard (``normed``, or its FP8 cast) for backward.
         Otherwise, with backward overlap: place the backward wait of the linear's dX all-reduce.
         """
-        runtime = self.runtime
+        runtime, labels = self.runtime, SUBLAYER_LABELS[sublayer]
         grad = torch.is_grad_enabled() and normed.requires_grad
         if runtime.sequence_parallel:
-            label = CollectiveLabel(f"{sublayer}_ag", self.index, chunk.index, runtime.recorder)
+            label = CollectiveLabel(labels.input_ag, self.index, chunk.index, runtime.recorder)
             chunk.gather_slot = SequenceCollective(runtime.tp_group, label)
             runtime.step.sequence_slots.append(chunk.gather_slot)
             quantizer = fp8_input_quantizer(self._column_linear(sublayer))
@@ -198,7 +202,7 @@ class LayerOps:
             )
             if grad:
                 label = CollectiveLabel(
-                    f"{sublayer}_regather", self.index, chunk.index, runtime.recorder
+                    labels.input_regather, self.index, chunk.index, runtime.recorder
                 )
                 chunk.input_regather = SavedInputRegather(
                     runtime.tp_group, label, normed, quantized, quantizer
@@ -207,7 +211,7 @@ class LayerOps:
             return launch_gather(normed, chunk.gather_slot, quantized, quantizer)
         if not (runtime.config.backward_overlap and grad):
             return normed
-        label = CollectiveLabel(f"{sublayer}_dgrad_ar", self.index, chunk.index, runtime.recorder)
+        label = CollectiveLabel(labels.input_dgrad_ar, self.index, chunk.index, runtime.recorder)
         chunk.dgrad_slot = DgradAllReduce(runtime.tp_group, label)
         runtime.step.dgrad_slots.append(chunk.dgrad_slot)
         return wait_for_dgrad_reduce(normed, chunk.dgrad_slot)

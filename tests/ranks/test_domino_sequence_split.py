@@ -41,7 +41,6 @@ from lab.analysis.equivalence import (
     forward_backward,
     fp32_reference_model,
     max_abs_error,
-    mismatches,
     token_batch,
     tolerance_for,
 )
@@ -158,25 +157,21 @@ SP_SETTINGS = domino_configs("sp-s2", "sp-s4")
 def _compare_under_sequence_parallelism() -> dict:
     options = dataclasses.replace(MODELS["rmsnorm-swiglu-rope-gqa"], sequence_parallel=True)
     model = build_gpt_model(options)
-    batch = token_batch(options, 1)
-    reference = forward_backward(model, batch, finalize_sequence_parallel=True)
+    comparison = compare_with_stock(
+        model, token_batch(options, 1), SP_SETTINGS, tolerance_for(options), record=True
+    )
     found = {}
     for setting, config in SP_SETTINGS.items():
-        recorder = EventRecorder()
-        with apply_domino(model, config, recorder=recorder) as handle:
-            result = forward_backward(model, batch, finalize_sequence_parallel=True)
-            step = handle.runtime.last_step
-            pending = len(step.pending_forward) + len(step.pending_backward)
-        spans = collective_spans(recorder.events())
+        compared = comparison.settings[setting]
         found[setting] = dict(
-            mismatches=mismatches(result, reference, tolerance_for(options)),
-            pending=pending,
-            counts=count_mismatches(spans, config, num_layers=LAYERS, sequence_parallel=True),
-            overlap=overlap_violations(spans, config, sequence_parallel=True)[:3],
+            mismatches=compared.mismatches,
+            pending=compared.left_pending,
+            counts=count_mismatches(
+                compared.spans, config, num_layers=LAYERS, sequence_parallel=True
+            ),
+            overlap=overlap_violations(compared.spans, config, sequence_parallel=True)[:3],
         )
-    found["revert"] = max_abs_error(
-        forward_backward(model, batch, finalize_sequence_parallel=True), reference
-    )
+    found["revert"] = comparison.revert_error
     return found
 
 

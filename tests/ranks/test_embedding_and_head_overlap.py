@@ -31,8 +31,9 @@ from megatron_domino.analysis.spans import collective_spans
 from megatron_domino.apply import apply_domino
 from megatron_domino.base.recorder import EventRecorder
 from megatron_domino.base.settings import domino_configs
-from megatron_domino.engine.embedding_overlap import EMBEDDING_COLLECTIVE, embedding_problems
-from megatron_domino.engine.output_head import HEAD_COLLECTIVE, output_layer_problems
+from megatron_domino.communication.collectives import EMBEDDING_AR, HEAD_DGRAD_AR
+from megatron_domino.engine.embedding_overlap import embedding_problems
+from megatron_domino.engine.output_head import output_layer_problems
 
 MICRO_BATCH = 4
 MODELS = {
@@ -60,7 +61,7 @@ def _end_spans(model, batch, config) -> dict[str, list]:
         name: [
             (s.chunk, s.order, s.direction, bool(s.overlapped_by)) for s in spans if s.name == name
         ]
-        for name in (EMBEDDING_COLLECTIVE, HEAD_COLLECTIVE)
+        for name in (EMBEDDING_AR, HEAD_DGRAD_AR)
     }
     last = model.config.num_layers - 1
 
@@ -125,8 +126,8 @@ def test_both_ends_fly_per_chunk_and_match_stock():
             p = SETTINGS[setting].chunks
             # The forward's first p launches, chunk 0 first; the backward's, last chunk first.
             ends = {
-                EMBEDDING_COLLECTIVE: ("fwd", list(range(p))),
-                HEAD_COLLECTIVE: ("bwd", list(range(p))[::-1]),
+                EMBEDDING_AR: ("fwd", list(range(p))),
+                HEAD_DGRAD_AR: ("bwd", list(range(p))[::-1]),
             }
             for collective, (direction, chunks) in ends.items():
                 recorded = spans[collective]

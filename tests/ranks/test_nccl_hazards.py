@@ -18,7 +18,6 @@ wait with their values at launch, and a handle never waited is listed at the end
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import pytest
 import torch
@@ -303,21 +302,13 @@ def _pipelined() -> dict:
             )
             model = build_gpt_model(options)
             batches = [token_batch(options, PP_MICRO_BATCH, seed=m) for m in range(MICRO_BATCHES)]
-            ref_losses, ref_grads = _train_step(model, batches, options)
+            reference = _train_step(model, batches, options)
             stock = hazards.end_step("stock")
             with apply_domino(model, named.config):
-                losses, grads = _train_step(model, batches, options)
+                result = _train_step(model, batches, options)
             step = hazards.end_step(name)
-            wrong = [
-                key
-                for key, ref in ref_grads.items()
-                if not torch.allclose(grads[key], ref, **TOLERANCE)
-            ] + [
-                "loss"
-                for loss, ref in zip(losses, ref_losses, strict=True)
-                if not (math.isfinite(float(loss)) and torch.allclose(loss, ref, **TOLERANCE))
-            ]
-            found[name] = dict(stock=stock, domino=step, wrong=wrong[:3])
+            wrong = mismatches(result, reference, TOLERANCE)[:3]
+            found[name] = dict(stock=stock, domino=step, wrong=wrong)
     return found
 
 

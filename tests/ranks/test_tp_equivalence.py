@@ -21,6 +21,7 @@ from multiproc import run_on_ranks
 from sharding import shard_like, shard_state_dict
 
 from lab.models.gpt_model import GPTOptions, build_gpt_model, causal_attention_mask
+from lab.models.model_options import LLAMA_FLAVOUR
 
 ATOL = 1e-6
 RTOL = 1e-5
@@ -39,14 +40,10 @@ _TINY = dict(
 CONFIGS = {
     "layernorm-gelu-learned": GPTOptions(**_TINY, num_attention_heads=4),
     "rmsnorm-swiglu-rope-gqa-nobias": GPTOptions(
-        **_TINY,
+        **{**_TINY, **LLAMA_FLAVOUR},
         num_attention_heads=8,
         num_query_groups=4,
         ffn_hidden_size=128,
-        normalization="RMSNorm",
-        swiglu=True,
-        position_embedding_type="rope",
-        add_bias_linear=False,
         untie_embeddings_and_output_weights=True,
     ),
 }

@@ -50,7 +50,7 @@ from source_tree import REPO, checkout_modules, module_name
 SHARED = REPO.parent / "shared"
 
 DOCUMENTS = sorted(
-    [REPO / "README.md", REPO / "tests" / "README.md", *(REPO / "docs").glob("*.md")]
+    [REPO / "README.md", REPO / "tests" / "README.md", *(REPO / "docs").glob("**/*.md")]
     + [*(REPO / "examples").glob("*.md")]
     + [path for path in [REPO / "patches" / "README.md"] if path.is_file()]
 )
