@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lab.bench.noop_collectives import COLLECTIVE_KINDS, swapped_tp_collectives
+from megatron_domino.runtime.tp_collectives import COLLECTIVE_KINDS, swapped_tp_collectives
 
 __all__ = ["CollectiveCall", "CollectiveLog", "replay", "tp_collectives_logged"]
 
@@ -94,7 +94,7 @@ def tp_collectives_logged(tp_group: dist.ProcessGroup, log: CollectiveLog) -> It
     """Within the block, collectives on ``tp_group`` run as usual and are logged into ``log``.
 
     Patches the same attributes as the oracle arm
-    (:data:`~lab.bench.noop_collectives.TP_COLLECTIVES`); each wrapper calls
+    (:data:`~megatron_domino.runtime.tp_collectives.TP_COLLECTIVES`); each wrapper calls
     the original function object, so a call reaching ``torch.distributed`` through Megatron's
     import-time alias is logged once.
     """

@@ -28,7 +28,7 @@ stands for: the emulator's cost on the compute cores, which the benchmark report
 Test-and-bench only: nothing on the training path imports it. :func:`tp_collectives_emulated`
 routes the collectives Megatron-Core and Domino call on the tensor-parallel group through it
 (the same attributes the oracle arm replaces,
-:data:`~lab.bench.noop_collectives.TP_COLLECTIVES`); calls on other groups
+:data:`~megatron_domino.runtime.tp_collectives.TP_COLLECTIVES`); calls on other groups
 run on the real backend.
 """
 
@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from lab.bench.noop_collectives import COLLECTIVE_KINDS, swapped_tp_collectives
+from megatron_domino.runtime.tp_collectives import COLLECTIVE_KINDS, swapped_tp_collectives
 
 __all__ = ["EmulatedLink", "LinkEvent", "LinkModel", "LinkStats", "tp_collectives_emulated"]
 

@@ -10,52 +10,13 @@ replaced where they are bound; calls on other groups (data parallel, barriers) r
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch.distributed as dist
-from megatron.core.tensor_parallel import layers as tp_layers
-from megatron.core.tensor_parallel import mappings as tp_mappings
 
-from megatron_domino.runtime.patch import Patch
-
-#: (module, attribute) of every collective Megatron-Core's tensor parallelism and Domino call.
-#: ``layers.py`` and ``mappings.py`` bind the gather/scatter functions at import, so the
-#: ``torch.distributed`` attributes alone would not reach them.
-TP_COLLECTIVES = (
-    (dist, "all_reduce"),
-    (dist, "all_gather_into_tensor"),
-    (dist, "reduce_scatter_tensor"),
-    (tp_layers, "dist_all_gather_func"),
-    (tp_layers, "dist_reduce_scatter_func"),
-    (tp_mappings, "dist_all_gather_func"),
-    (tp_mappings, "dist_reduce_scatter_func"),
+from megatron_domino.runtime.tp_collectives import (
+    swapped_tp_collectives,
 )
-#: What each attribute of :data:`TP_COLLECTIVES` does; the gather/scatter functions
-#: Megatron-Core binds at import are ``all_gather_into_tensor`` / ``reduce_scatter_tensor``
-#: under another name.
-COLLECTIVE_KINDS = {
-    "all_reduce": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
-    "dist_all_gather_func": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "dist_reduce_scatter_func": "reduce_scatter",
-}
-
-
-@contextlib.contextmanager
-def swapped_tp_collectives(replace: Callable[[str, Callable], Callable]) -> Iterator[None]:
-    """Within the block, each attribute ``name`` of :data:`TP_COLLECTIVES` is
-    ``replace(name, original)``; the originals come back on exit, also when the block raises.
-
-    The one place the bench's arms (no-op, logged, emulated link) and the tests swap the TP
-    collectives; ``replace`` gets the attribute's name (its kind: :data:`COLLECTIVE_KINDS`)
-    and the function it replaces, which a wrapper calls for what it does not handle.
-    """
-    with contextlib.ExitStack() as stack:
-        for owner, name in TP_COLLECTIVES:
-            replacement = replace(name, getattr(owner, name))
-            stack.enter_context(Patch(owner, name, replacement, "swap a TP collective").applied())
-        yield
 
 
 class _CompletedWork:

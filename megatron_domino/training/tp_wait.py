@@ -14,9 +14,8 @@ collective functions the TP code calls are wrapped, and for each call on the TP 
 Times are taken like the recorder's: CUDA events on the current stream on a GPU (the stream
 stalls for the collective, so the interval is device time), the wall clock on the CPU.
 Collectives on other groups (data-parallel gradient reduction, pipeline sends) pass through
-uncounted. The wrapped names are those the TP code looks up at call time:
-``torch.distributed``'s, and the ``dist_all_gather_func``/``dist_reduce_scatter_func``
-aliases Megatron-Core's ``tensor_parallel.mappings`` and ``.layers`` bind at import.
+uncounted. The wrapped names are those the TP code looks up at call time,
+:data:`~megatron_domino.runtime.tp_collectives.TP_COLLECTIVES`.
 """
 
 from __future__ import annotations
@@ -28,16 +27,11 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.tensor_parallel import layers, mappings
 
-from megatron_domino.runtime.patch import Patch
+from megatron_domino.runtime.tp_collectives import swapped_tp_collectives
 
 __all__ = ["TPWaitClock"]
-
-_TORCH_COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
-_MEGATRON_ALIASES = ("dist_all_gather_func", "dist_reduce_scatter_func")
 
 
 class _Interval:
@@ -109,20 +103,11 @@ class TPWaitClock:
 
         return call
 
-    def _patches(self) -> list[Patch]:
-        found = [(dist, name) for name in _TORCH_COLLECTIVES]
-        found += [(module, name) for module in (mappings, layers) for name in _MEGATRON_ALIASES]
-        return [
-            Patch(owner, name, self._timed(getattr(owner, name)), "time TP waits (--domino-ab)")
-            for owner, name in found
-        ]
-
     @contextlib.contextmanager
     def measuring(self) -> Iterator[None]:
         """Count the TP waits of the body (one optimizer step); read them with :meth:`take`."""
-        with contextlib.ExitStack() as stack:
-            for patch in self._patches():
-                stack.enter_context(patch.applied())
+        why = "time TP waits (--domino-ab)"
+        with swapped_tp_collectives(lambda _name, original: self._timed(original), why):
             yield
 
     def take(self) -> float:

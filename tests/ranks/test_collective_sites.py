@@ -25,12 +25,12 @@ from multiproc import run_on_ranks
 from tiny_models import TINY
 
 from lab.analysis.equivalence import token_batch
-from lab.bench.noop_collectives import COLLECTIVE_KINDS, swapped_tp_collectives
 from lab.models.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.apply import apply_domino
 from megatron_domino.base.recorder import LAUNCH, WAIT_BEGIN, EventRecorder
 from megatron_domino.base.settings import setting
 from megatron_domino.communication.collectives import COLLECTIVE_SITES, collective_site
+from megatron_domino.runtime.tp_collectives import COLLECTIVE_KINDS, swapped_tp_collectives
 
 GPT = GPTOptions(num_layers=2, **TINY, num_attention_heads=4)
 #: The traced steps (settings of :mod:`megatron_domino.base.settings`).
