@@ -28,9 +28,9 @@ label and direction, its kind, and the call path of its launch and of its wait a
 ``module:function``, outermost first (a forward path starts at the schedule's op in
 :class:`~megatron_domino.engine.schedule.LayerOps`, a backward one at the autograd node the engine
 calls). E.g. chunk ``c``'s ``attention_ar`` is launched by the ``attention_projection`` op
-(``schedule:LayerOps.projection -> linears:row_projection -> row_output:PendingReduce.launch``)
-and waited by the ``mlp_norm`` op (``schedule:LayerOps._bias_dropout_add ->
-row_output:PendingReduce.wait``). The labels are the constants below (:data:`SUBLAYER_LABELS`,
+(``engine.schedule:LayerOps.projection -> engine.linears:row_projection -> engine.row_output:PendingReduce.launch``)
+and waited by the ``mlp_norm`` op (``engine.schedule:LayerOps._bias_dropout_add ->
+engine.row_output:PendingReduce.wait``). The labels are the constants below (:data:`SUBLAYER_LABELS`,
 :data:`EMBEDDING_AR`, :data:`HEAD_DGRAD_AR`), the only place their strings are written; a
 traced step records exactly the table's labels and call paths
 (``tests/ranks/test_collective_sites.py``). Not in the table: Megatron-Core's own collectives
@@ -142,18 +142,22 @@ def _sublayer_sites(sublayer: str, norm_op: str, core_op: str, wait_op: str):
     """The rows of one sub-layer: its norm op ``norm_op`` prepares the column linear's input,
     its core op ``core_op`` runs the column linear, the op ``wait_op`` waits for the row output."""
     labels = SUBLAYER_LABELS[sublayer]
-    norm = ("schedule:LayerOps." + norm_op, "schedule:LayerOps._prepare_column_input")
-    core = ("schedule:LayerOps." + core_op, "schedule:LayerOps._finish_gather")
-    project = ("schedule:LayerOps.projection", "linears:row_projection")
-    reduced = ("schedule:LayerOps." + wait_op, "schedule:LayerOps._bias_dropout_add")
-    reduced += ("row_output:PendingReduce.wait",)
+    norm = ("engine.schedule:LayerOps." + norm_op, "engine.schedule:LayerOps._prepare_column_input")
+    core = ("engine.schedule:LayerOps." + core_op, "engine.schedule:LayerOps._finish_gather")
+    project = ("engine.schedule:LayerOps.projection", "engine.linears:row_projection")
+    reduced = ("engine.schedule:LayerOps." + wait_op, "engine.schedule:LayerOps._bias_dropout_add")
+    reduced += ("engine.row_output:PendingReduce.wait",)
     column, row = ("QKV", "linear_proj") if sublayer == "attention" else ("fc1", "linear_fc2")
     return (
         CollectiveSite(
             labels.output_ar,
             ALL_REDUCE,
             "fwd",
-            (*project, "row_output:PendingReduce.launch", "collectives:ForwardAllReduce.launch"),
+            (
+                *project,
+                "engine.row_output:PendingReduce.launch",
+                "communication.collectives:ForwardAllReduce.launch",
+            ),
             reduced,
             f"{row}'s partial sum [s, b/p, h/k], per column piece; backward: identity",
         ),
@@ -162,27 +166,30 @@ def _sublayer_sites(sublayer: str, norm_op: str, core_op: str, wait_op: str):
             ALL_REDUCE,
             "bwd",
             (
-                "backward_overlap:_ColumnLinearAsyncDgrad.backward",
-                "collectives:DgradAllReduce.launch",
+                "engine.backward_overlap:_ColumnLinearAsyncDgrad.backward",
+                "communication.collectives:DgradAllReduce.launch",
             ),
-            ("backward_overlap:_WaitForDgradReduce.backward", "collectives:DgradAllReduce.wait"),
+            (
+                "engine.backward_overlap:_WaitForDgradReduce.backward",
+                "communication.collectives:DgradAllReduce.wait",
+            ),
             f"{column}'s input gradient [s, b/p, h]; the wait is placed on its input by "
-            f"{norm_op}, the launch by linears:column_parallel_forward (with backward overlap)",
+            f"{norm_op}, the launch by engine.linears:column_parallel_forward (with backward overlap)",
         ),
         CollectiveSite(
             labels.input_ag,
             ALL_GATHER,
             "fwd",
-            (*norm, "sequence_parallel:_GatherLaunch.forward"),
-            (*core, "sequence_parallel:_GatherWait.forward"),
+            (*norm, "communication.sequence_parallel:_GatherLaunch.forward"),
+            (*core, "communication.sequence_parallel:_GatherWait.forward"),
             f"SP: {column}'s input [s/tp, b/p, h] -> [s, b/p, h] (FP8 bits under FP8 on TE)",
         ),
         CollectiveSite(
             labels.input_ag,
             REDUCE_SCATTER,
             "bwd",
-            ("sequence_parallel:_GatherWait.backward",),
-            ("sequence_parallel:_GatherLaunch.backward",),
+            ("communication.sequence_parallel:_GatherWait.backward",),
+            ("communication.sequence_parallel:_GatherLaunch.backward",),
             f"SP: {column}'s input gradient [s, b/p, h] -> [s/tp, b/p, h] ({labels.input_ag}'s "
             "backward twin, same slot)",
         ),
@@ -192,18 +199,18 @@ def _sublayer_sites(sublayer: str, norm_op: str, core_op: str, wait_op: str):
             "fwd",
             (
                 *project,
-                "row_output:PendingReduce.launch",
-                "sequence_parallel:_ScatterLaunch.forward",
+                "engine.row_output:PendingReduce.launch",
+                "communication.sequence_parallel:_ScatterLaunch.forward",
             ),
-            (*reduced, "sequence_parallel:_ScatterWait.forward"),
+            (*reduced, "communication.sequence_parallel:_ScatterWait.forward"),
             f"SP: {row}'s partial sum [s, b/p, h/k] -> [s/tp, b/p, h/k], per column piece",
         ),
         CollectiveSite(
             labels.output_rs,
             ALL_GATHER,
             "bwd",
-            ("sequence_parallel:_ScatterWait.backward",),
-            ("sequence_parallel:_ScatterLaunch.backward",),
+            ("communication.sequence_parallel:_ScatterWait.backward",),
+            ("communication.sequence_parallel:_ScatterLaunch.backward",),
             f"SP: {row}'s output gradient [s/tp, b/p, h/k] -> [s, b/p, h/k] "
             f"({labels.output_rs}'s backward twin, same slot)",
         ),
@@ -211,8 +218,14 @@ def _sublayer_sites(sublayer: str, norm_op: str, core_op: str, wait_op: str):
             labels.input_regather,
             ALL_GATHER,
             "bwd",
-            ("sequence_parallel:_ScatterWait.backward", "saved_shards:SavedInputRegather.launch"),
-            ("saved_shards:SavedInputRegather._unpack", "saved_shards:SavedInputRegather._wait"),
+            (
+                "communication.sequence_parallel:_ScatterWait.backward",
+                "communication.saved_shards:SavedInputRegather.launch",
+            ),
+            (
+                "communication.saved_shards:SavedInputRegather._unpack",
+                "communication.saved_shards:SavedInputRegather._wait",
+            ),
             f"SP: the shard of {column}'s input kept for backward, gathered again (launched "
             "right after the same chunk's output-gradient gather, waited by the first saved "
             "tensor the column linear's backward unpacks)",
@@ -225,18 +238,18 @@ def _sublayer_sites(sublayer: str, norm_op: str, core_op: str, wait_op: str):
 COLLECTIVE_SITES: tuple[CollectiveSite, ...] = (
     CollectiveSite(
         EMBEDDING_AR, ALL_REDUCE, "fwd",
-        ("embedding_overlap:embedding_forward", "collectives:ForwardAllReduce.launch"),
-        ("schedule:LayerOps.attention_norm", "end_handoffs:PendingEmbedding.finish"),
+        ("engine.embedding_overlap:embedding_forward", "communication.collectives:ForwardAllReduce.launch"),
+        ("engine.schedule:LayerOps.attention_norm", "engine.end_handoffs:PendingEmbedding.finish"),
         "the word embedding's partial sum [b/p, s, h], per chunk; waited by layer 0's first op",
     ),
     *_sublayer_sites("attention", "attention_norm", "attention_core", "mlp_norm"),
     *_sublayer_sites("mlp", "mlp_norm", "mlp_core", "finish"),
     CollectiveSite(
         HEAD_DGRAD_AR, ALL_REDUCE, "bwd",
-        ("output_head:_OutputLayerChunkedDgrad.backward", "collectives:DgradAllReduce.launch"),
-        ("backward_overlap:_WaitForDgradReduce.backward", "collectives:DgradAllReduce.wait"),
+        ("engine.output_head:_OutputLayerChunkedDgrad.backward", "communication.collectives:DgradAllReduce.launch"),
+        ("engine.backward_overlap:_WaitForDgradReduce.backward", "communication.collectives:DgradAllReduce.wait"),
         "the output layer's input gradient [s, b/p, h], per chunk, last chunk first; the wait "
-        "is placed on the final norm's output by output_head:place_head_wait",
+        "is placed on the final norm's output by engine.output_head:place_head_wait",
     ),
 )  # fmt: skip
 
