@@ -26,3 +26,24 @@ def checkout_modules() -> dict[str, Path]:
     """Every module of the package and of the lab, by dotted name."""
     lab = {module_name(path): path for path in sorted(LAB.rglob("*.py"))}
     return {**library_modules(), **lab}
+
+
+def find_circle(graph: dict[str, set[str]] | dict[str, dict]) -> list[str] | None:
+    """One circle of ``graph`` (module or folder imports: ``name -> names it imports``) as ``[a, b, ..., a]``, or ``None`` (depth-first search)."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        for child in sorted(graph.get(node, ())):
+            if child in path:
+                return [*path[path.index(child) :], child]
+            if child not in done:
+                circle = visit(child, [*path, child])
+                if circle:
+                    return circle
+        done.add(node)
+        return None
+
+    for start in sorted(graph):
+        if start not in done and (circle := visit(start, [start])):
+            return circle
+    return None

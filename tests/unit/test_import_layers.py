@@ -20,7 +20,7 @@ import ast
 from pathlib import Path
 
 import pytest
-from source_tree import REPO
+from source_tree import REPO, find_circle
 
 #: The top-level folders read: the package and the lab.
 ROOTS = ("megatron_domino", "lab")
@@ -108,27 +108,6 @@ def layer_problems(graph: dict[str, dict[str, list[str]]], layers=LAYERS) -> lis
     return problems
 
 
-def find_circle(graph: dict[str, set[str]] | dict[str, dict]) -> list[str] | None:
-    """One circle of ``graph`` as ``[a, b, ..., a]``, or ``None`` (depth-first search)."""
-    done: set[str] = set()
-
-    def visit(node: str, path: list[str]) -> list[str] | None:
-        for child in sorted(graph.get(node, ())):
-            if child in path:
-                return [*path[path.index(child) :], child]
-            if child not in done:
-                circle = visit(child, [*path, child])
-                if circle:
-                    return circle
-        done.add(node)
-        return None
-
-    for start in sorted(graph):
-        if start not in done and (circle := visit(start, [start])):
-            return circle
-    return None
-
-
 # --- the checker itself ------------------------------------------------------------------------
 
 
@@ -153,11 +132,6 @@ def test_an_upward_sideways_or_unplaced_arrow_is_caught():
         "sideways: mid.b -> side.c (mid -> side)",
         "upward: mid.b -> top.a (mid -> top)",
     ]
-
-
-def test_the_search_finds_a_circle():
-    assert find_circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert find_circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
 @pytest.mark.parametrize(

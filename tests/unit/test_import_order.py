@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 
-from source_tree import checkout_modules
+from source_tree import checkout_modules, find_circle
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -30,27 +30,6 @@ def import_graph() -> dict[str, set[str]]:
                 graph[name].update(alias.name for alias in node.names if alias.name in modules)
         graph[name].discard(name)
     return graph
-
-
-def find_circle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import circle of ``graph`` as ``[a, b, ..., a]``, or ``None`` (depth-first search)."""
-    done: set[str] = set()
-
-    def visit(name: str, path: list[str]) -> list[str] | None:
-        for child in sorted(graph[name]):
-            if child in path:
-                return [*path[path.index(child) :], child]
-            if child not in done:
-                circle = visit(child, [*path, child])
-                if circle:
-                    return circle
-        done.add(name)
-        return None
-
-    for start in sorted(graph):
-        if start not in done and (circle := visit(start, [start])):
-            return circle
-    return None
 
 
 def test_the_search_finds_a_circle():
