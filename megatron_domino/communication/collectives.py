@@ -93,22 +93,17 @@ class SublayerLabels:
         return self.output_rs if sequence_parallel else self.output_ar
 
 
-#: Per sub-layer, the labels of its collectives.
+#: Per sub-layer, the labels of its collectives: the sub-layer's name and the collective's
+#: (``attention_ar``, ``mlp_dgrad_ar``, ...).
 SUBLAYER_LABELS = {
-    "attention": SublayerLabels(
-        output_ar="attention_ar",
-        output_rs="attention_rs",
-        input_dgrad_ar="attention_dgrad_ar",
-        input_ag="attention_ag",
-        input_regather="attention_regather",
-    ),
-    "mlp": SublayerLabels(
-        output_ar="mlp_ar",
-        output_rs="mlp_rs",
-        input_dgrad_ar="mlp_dgrad_ar",
-        input_ag="mlp_ag",
-        input_regather="mlp_regather",
-    ),
+    sublayer: SublayerLabels(
+        output_ar=f"{sublayer}_ar",
+        output_rs=f"{sublayer}_rs",
+        input_dgrad_ar=f"{sublayer}_dgrad_ar",
+        input_ag=f"{sublayer}_ag",
+        input_regather=f"{sublayer}_regather",
+    )
+    for sublayer in ("attention", "mlp")
 }
 #: The word embedding's all-reduce, per chunk (:mod:`megatron_domino.engine.embedding_overlap`).
 EMBEDDING_AR = "embedding_ar"
