@@ -82,6 +82,20 @@ class DominoConfig:
             "input-gradient all-reduce before returning (ablation).",
         },
     )
+    backward_order: str = field(
+        default="legs",
+        metadata={
+            "flag": "--domino-backward-order",
+            "choices": ("legs", "autograd", "serial"),
+            "help": "How the backward interleaves the chunks. legs: each chunk's work between "
+            "two collectives is one leg, and the legs run in an order Domino chooses, so that "
+            "another chunk's whole leg runs while each backward collective flies, and the "
+            "forward launches its all-reduces before it waits (the default). autograd: the "
+            "order autograd derives from the forward's (ablation; the forward then keeps the "
+            "chunk order within a step). serial: each chunk's legs back to back, nothing hidden "
+            "in backward (a negative control for measurements).",
+        },
+    )
 
     def __post_init__(self) -> None:
         for name in ("chunks", "column_chunks"):
@@ -93,6 +107,12 @@ class DominoConfig:
         if self.split_along not in choices:
             raise DominoConfigError(
                 f"--domino-split must be one of {', '.join(choices)}, got {self.split_along!r}."
+            )
+        orders = _field("backward_order").metadata["choices"]
+        if self.backward_order not in orders:
+            raise DominoConfigError(
+                f"--domino-backward-order must be one of {', '.join(orders)}, got "
+                f"{self.backward_order!r}."
             )
         if self.chunks == 1 and self.column_chunks == 1:
             raise DominoConfigError(

@@ -91,14 +91,29 @@ def core_attention_forward(
             f"Domino bug: chunk {chunk.index} of layer {step.layer} reached attention after "
             f"{len(earlier)} chunks' keys (expected {chunk.index})."
         )
-    earlier.append((key, value))
+    legs, tokens = step.legs, None
+    if legs is not None and chunk.index < len(step.chunks) - 1:
+        tokens = (legs.share(chunk.index, key), legs.share(chunk.index, value))
+    earlier.append((key, value, tokens))
     if chunk.index:
-        key = torch.cat([k for k, _ in earlier], dim=0)
-        value = torch.cat([v for _, v in earlier], dim=0)
+        key = torch.cat([_in_leg(step, chunk, owner, 0) for owner in range(chunk.index + 1)])
+        value = torch.cat([_in_leg(step, chunk, owner, 1) for owner in range(chunk.index + 1)])
     return attend(
         module, chunk.index, runtime.config.chunks, query, key, value, attention_mask,
         attn_mask_type, attention_bias, packed_seq_params,
     )  # fmt: skip
+
+
+def _in_leg(step, chunk, owner: int, which: int) -> torch.Tensor:
+    """Chunk ``owner``'s keys (``which`` 0) or values (1) ``[s/p, b, g/tp, d]`` as a tensor of
+    ``chunk``'s leg: another chunk's borrowed from the leg that made them
+    (:meth:`~megatron_domino.engine.legs.LegBook.borrow`), so that each leg keeps a graph of its
+    own and their gradients reach that leg; the chunk's own, or any without legs, as they are."""
+    entry = step.key_values[step.layer][owner]
+    tensor, token = entry[which], None if entry[2] is None else entry[2][which]
+    if owner == chunk.index or token is None:
+        return tensor
+    return step.legs.borrow(chunk.index, token, tensor)
 
 
 def local_attend(

@@ -37,7 +37,7 @@ from megatron_domino.communication.collectives import SUBLAYER_LABELS
 from megatron_domino.communication.saved_shards import keeping_input_shards
 from megatron_domino.communication.te_fp8_inputs import fp8_grad_output_quantizer
 from megatron_domino.engine.backward_overlap import column_linear_async_dgrad
-from megatron_domino.engine.placeholder_grads import drop_placeholder_gradient
+from megatron_domino.engine.placeholder_grads import one_placeholder_per_call
 from megatron_domino.engine.row_output import (
     DeferredRow,
     PendingReduce,
@@ -89,8 +89,13 @@ def row_projection(
     for piece in range(k):
         with recorder.region(gemm, layer, chunk.index, "fwd", piece):
             partial, returned_bias = deferred.gemm.partial(module, deferred.input_, piece, k)
-        if chunk.index > 0 or piece > 0:
-            drop_placeholder_gradient(partial, module.weight)
+        one_placeholder_per_call(
+            partial,
+            module.weight,
+            chunk=chunk.index,
+            piece=piece,
+            legs=runtime.step.legs is not None,
+        )
         time_backward(partial, recorder, gemm, layer, chunk.index, piece)
         pending.launch(partial)
     if scatter:
@@ -156,6 +161,5 @@ def column_parallel_forward(
         slot, chunk.dgrad_slot = chunk.dgrad_slot, None
         accumulate = module.gradient_accumulation_fusion and hasattr(module.weight, "main_grad")
         output = column_linear_async_dgrad(input_, module.weight, bias, slot, accumulate)
-    if chunk.index > 0:
-        drop_placeholder_gradient(output, module.weight)
+    one_placeholder_per_call(output, module.weight, chunk=chunk.index, legs=step.legs is not None)
     return output, module.bias if module.skip_bias_add else None

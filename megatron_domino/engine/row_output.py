@@ -18,6 +18,7 @@ read ``[s/p, b, h]``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -104,6 +105,10 @@ class DeferredRow:
     """``[s, b/p, n/tp]``, this rank's slice of the attention context or MLP activation."""
     gemm: RowGemm
 
+    def with_input(self, input_: torch.Tensor) -> DeferredRow:
+        """The same call on ``input_`` (the captured input as the next leg's tensor)."""
+        return dataclasses.replace(self, input_=input_)
+
 
 @dataclass(eq=False)
 class PendingReduce:
@@ -147,6 +152,16 @@ class PendingReduce:
     @property
     def in_flight(self) -> bool:
         return bool(self._pieces)
+
+    def hand_on(self, move: Callable[..., tuple | torch.Tensor]) -> None:
+        """Replace the pieces' outputs in flight by ``move(*outputs)`` (one tensor per piece, or
+        a tuple): under sequence parallelism the next leg waits for them
+        (:mod:`megatron_domino.engine.legs`). The outputs are moved, never read."""
+        moved = move(*(output for _, output in self._pieces))
+        moved = moved if isinstance(moved, tuple) else (moved,)
+        self._pieces = [
+            (slot, output) for (slot, _), output in zip(self._pieces, moved, strict=True)
+        ]
 
     def wait(self, then_in_backward: Callable[[], None] | None = None) -> torch.Tensor:
         """Wait for every piece; the reduced output ``[s or s/tp, b/p, h]`` (pieces joined on h).

@@ -116,10 +116,24 @@ class LayerOps:
             attention(chunk.linear_input, **chunk.attention_inputs)
 
     def projection(self, sublayer: str, chunk: ChunkState) -> None:
-        """Run the row-parallel GEMM the core op captured; launch its collectives."""
+        """Run the row-parallel GEMM the core op captured; launch its collectives.
+
+        Under sequence parallelism with legs, a leg ends before the GEMM (its input, the
+        captured ``[s, b/p, n/tp]``) and after the launches (the reduce-scatters' outputs in
+        flight): the module docstring's cuts.
+        """
+        sequence_cuts = self.runtime.sequence_parallel and self.runtime.step.legs is not None
+        if sequence_cuts:
+            deferred = chunk.deferred
+            chunk.deferred = deferred.with_input(
+                self._cut(chunk, f"{sublayer}_projection", deferred.input_)
+            )
         chunk.pending, chunk.pending_bias = row_projection(
             self.runtime, chunk, self.index, sublayer
         )
+        if sequence_cuts:
+            waiting_op = "mlp_norm" if sublayer == "attention" else "attention_norm"
+            chunk.pending.hand_on(lambda *outputs: self._cut(chunk, waiting_op, *outputs))
 
     def mlp_norm(self, chunk: ChunkState) -> None:
         norm, hidden = (
@@ -208,13 +222,25 @@ class LayerOps:
                     runtime.tp_group, label, normed, quantized, quantizer
                 )
                 runtime.step.regathers.add(chunk.input_regather)
-            return launch_gather(normed, chunk.gather_slot, quantized, quantizer)
+            launched = launch_gather(normed, chunk.gather_slot, quantized, quantizer)
+            return self._cut(chunk, f"{sublayer}_core", launched)
         if not (runtime.config.backward_overlap and grad):
             return normed
         label = CollectiveLabel(labels.input_dgrad_ar, self.index, chunk.index, runtime.recorder)
         chunk.dgrad_slot = DgradAllReduce(runtime.tp_group, label)
         runtime.step.dgrad_slots.append(chunk.dgrad_slot)
-        return wait_for_dgrad_reduce(normed, chunk.dgrad_slot)
+        return self._cut(chunk, f"{sublayer}_core", wait_for_dgrad_reduce(normed, chunk.dgrad_slot))
+
+    def _cut(self, chunk: ChunkState, op: str, *tensors: torch.Tensor):
+        """Where the step has legs (:mod:`megatron_domino.engine.legs`), end ``chunk``'s leg with
+        ``tensors`` and its residual and begin the next, which starts with ``op``: ``tensors``
+        as the next leg's (one tensor, or a tuple of several), ``chunk.residual`` likewise."""
+        legs = self.runtime.step.legs
+        if legs is not None:
+            *tensors, chunk.residual = legs.cut(
+                chunk.index, op, self.index, *tensors, chunk.residual
+            )
+        return tensors[0] if len(tensors) == 1 else tuple(tensors)
 
     def _column_linear(self, sublayer: str) -> torch.nn.Module:
         """The column-parallel linear the norm output of ``sublayer`` feeds."""
@@ -256,18 +282,56 @@ def with_head_wait(
     return name, layer, finish_then_head_wait
 
 
+#: What each op does to the collectives in flight: launches them (``launch``), computes while
+#: they fly (``compute``) or waits for one (``wait``). The norm ops' kind is their wait: without
+#: sequence parallelism they launch nothing in forward.
+OP_KINDS = {
+    "attention_norm": "wait",
+    "attention_core": "compute",
+    "attention_projection": "launch",
+    "mlp_norm": "wait",
+    "mlp_core": "compute",
+    "mlp_projection": "launch",
+    "finish": "wait",
+    "logits": "compute",
+}
+#: Launch-first: within a tick, ops in this order of their kinds (module docstring).
+LAUNCH_FIRST = ("launch", "compute", "wait")
+
+
+def tick_order(runtime: DominoRuntime) -> tuple[str, ...] | None:
+    """The kinds of op a tick runs first to last, or ``None`` for chunk order (0 to ``p-1``).
+
+    Launch-first where the step has legs without sequence parallelism: the backward order no
+    longer follows the forward's, so the forward may launch each all-reduce before another
+    chunk waits. Under sequence parallelism a norm op also launches (its input all-gather,
+    waited by the next core op), which chunk order already puts behind another chunk's op.
+    """
+    if runtime.step.legs is None or runtime.sequence_parallel:
+        return None
+    return LAUNCH_FIRST
+
+
 def run_wavefront(
-    runtime: DominoRuntime, sequence: list[tuple[str, int, Op]], chunks: list[ChunkState]
+    runtime: DominoRuntime,
+    sequence: list[tuple[str, int, Op]],
+    chunks: list[ChunkState],
+    kinds: tuple[str, ...] | None = None,
 ) -> None:
-    """Run ``sequence`` on every chunk, chunk ``c`` lagging ``c`` ops behind chunk 0."""
+    """Run ``sequence`` on every chunk, chunk ``c`` lagging ``c`` ops behind chunk 0; within a
+    tick, ops by their kind in the order ``kinds`` (:func:`tick_order`), else in chunk order."""
     recorder = runtime.recorder
     for tick in range(len(sequence) + len(chunks) - 1):
-        for chunk in chunks:
-            position = tick - chunk.index
-            if 0 <= position < len(sequence):
-                name, layer, op = sequence[position]
-                with recorder.region(name, layer, chunk.index):
-                    op(chunk)
+        due = [
+            (chunk, sequence[tick - chunk.index])
+            for chunk in chunks
+            if 0 <= tick - chunk.index < len(sequence)
+        ]
+        if kinds is not None:
+            due.sort(key=lambda item: kinds.index(OP_KINDS[item[1][0]]))
+        for chunk, (name, layer, op) in due:
+            with recorder.region(name, layer, chunk.index):
+                op(chunk)
 
 
 def run_layers(
@@ -284,7 +348,7 @@ def run_layers(
     ``final_layernorm``, the last segment's finish ends :func:`with_head_wait`, followed by
     the ``logits`` op where the runtime has one.
     """
-    inter_layer = runtime.config.inter_layer
+    inter_layer, kinds = runtime.config.inter_layer, tick_order(runtime)
     segments: list[list[LayerOps]] = []
     for index, layer in enumerate(layers, start=first_index):
         previous = segments[-1][-1] if inter_layer and segments else None
@@ -300,4 +364,8 @@ def run_layers(
             if runtime.chunk_logits is not None:
                 logits = functools.partial(runtime.chunk_logits, runtime)
                 sequence.append(("logits", segment[-1].index, logits))
-        run_wavefront(runtime, sequence, chunks)
+        run_wavefront(runtime, sequence, chunks, kinds)
+    legs = runtime.step.legs
+    if legs is not None:
+        for chunk, last in zip(chunks, legs.finish([c.hidden for c in chunks]), strict=True):
+            chunk.hidden = last

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_domino.base.config import DominoConfig
 from megatron_domino.base.recorder import NULL_RECORDER, NullRecorder
+from megatron_domino.engine.legs import LegBook
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -89,7 +90,10 @@ class StepState:
     row-parallel linear ``deferred_module`` only records its call, which the projection op
     then runs (:func:`~megatron_domino.engine.linears.row_projection`). Under the
     sequence split, ``key_values[layer]`` holds each earlier chunk's keys and values
-    ``[s/p, b, g/tp, d]`` (after rotary embedding), which later chunks attend to.
+    ``[s/p, b, g/tp, d]`` (after rotary embedding), which later chunks attend to, each with the
+    token its leg shared it under (``None`` without legs). ``legs`` cuts each chunk's work into
+    the legs whose backward Domino orders (:mod:`megatron_domino.engine.legs`), or is ``None``
+    where the backward is autograd's (:meth:`DominoRuntime.leg_book`).
     """
 
     chunks: list[ChunkState]
@@ -103,7 +107,10 @@ class StepState:
     sequence_slots: list[SequenceCollective] = field(default_factory=list)
     #: Held weakly: they keep activation shards, which must go with the autograd graph.
     regathers: weakref.WeakSet[SavedInputRegather] = field(default_factory=weakref.WeakSet)
-    key_values: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    key_values: dict[int, list[tuple[torch.Tensor, torch.Tensor, tuple | None]]] = field(
+        default_factory=dict
+    )
+    legs: LegBook | None = None
     active: ChunkState | None = None
     layer: int = -1
     sublayer: str = ""
@@ -161,6 +168,7 @@ class DominoRuntime:
                 "A Domino step is already running on this model (re-entrant forward)."
             )
         self.step = StepState(chunks=chunks)
+        self.step.legs = self.leg_book(self.step)
         try:
             yield self.step
             if self.step.pending_forward:
@@ -173,6 +181,30 @@ class DominoRuntime:
             # The chunks and cached keys hold activations: keep only the backward slots.
             self.last_step.chunks = []
             self.last_step.key_values = {}
+            self.last_step.legs = None
+
+    def leg_book(self, step: StepState) -> LegBook | None:
+        """The legs of ``step``, where Domino orders the backward: autograd on, backward overlap
+        on (always under sequence parallelism) and ``backward_order`` not ``autograd``.
+
+        Under sequence parallelism each sub-layer's work is cut three times (the backward
+        collectives launched and waited in different ops: the schedule's module docstring), and
+        :func:`~megatron_domino.engine.legs.backward_order` lags each chunk one leg behind the
+        next; without it, once per sub-layer, no lag.
+        """
+        config = self.config
+        if not (
+            torch.is_grad_enabled()
+            and config.backward_overlap
+            and config.backward_order != "autograd"
+        ):
+            return None
+        return LegBook(
+            len(step.chunks),
+            lag=1 if self.sequence_parallel else 0,
+            serial=config.backward_order == "serial",
+            in_flight=lambda: step.pending_backward,
+        )
 
     @contextlib.contextmanager
     def acting_for(

@@ -61,7 +61,7 @@ import torch
 
 from megatron_domino.base.recorder import time_backward
 from megatron_domino.communication.saved_shards import keeping_input_shards
-from megatron_domino.engine.placeholder_grads import drop_placeholder_gradient
+from megatron_domino.engine.placeholder_grads import one_placeholder_per_call
 from megatron_domino.engine.row_output import RowGemm
 
 if TYPE_CHECKING:
@@ -166,7 +166,6 @@ def te_column_parallel_forward(
         keeping_input_shards(None if own_collectives else chunk.input_regather, input_, module),
     ):
         output, bias = type(module).forward(module, input_)
-    if chunk.index > 0:
-        drop_placeholder_gradient(output, module.weight)
+    one_placeholder_per_call(output, module.weight, chunk=chunk.index, legs=step.legs is not None)
     time_backward(output, runtime.recorder, f"{step.sublayer}_column_gemm", step.layer, chunk.index)
     return output, bias

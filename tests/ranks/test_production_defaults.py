@@ -181,6 +181,9 @@ def _micro_batch(ddp, options: GPTOptions) -> StepResult:
 WGRAD_ARMS = {
     "domino": DominoConfig(chunks=CHUNKS),
     "domino-k2": DominoConfig(chunks=CHUNKS, column_chunks=2),
+    "domino-k2-autograd-order": DominoConfig(
+        chunks=CHUNKS, column_chunks=2, backward_order="autograd"
+    ),
 }
 ROW_WEIGHTS = ("linear_proj.weight", "linear_fc2.weight")
 
@@ -271,9 +274,11 @@ def test_column_pieces_accumulate_into_main_grad_rows():
     """``--domino-column-chunks 2`` with gradient-accumulation fusion: each piece of a row
     linear's GEMM accumulates ``[tokens/p, h/2]`` output gradients into its half of
     ``main_grad`` through Megatron's fused GEMM (bf16 operands, fp32 accumulation), once per
-    chunk and piece; the weight gets one gradient per backward, the shared placeholder (no
-    zero-padded full-size ``dW`` per piece); main_grad within the bf16 bound of stock's
-    (checked above)."""
+    chunk and piece; no zero-padded full-size ``dW`` per piece reaches the weight, only
+    placeholders: with legs one per chunk (each leg is an engine call of its own, in which DDP's
+    hook needs a gradient), each a fresh one (not the shared buffer, which ``AccumulateGrad``
+    would copy); with autograd's order one per backward, the shared one; main_grad within the
+    bf16 bound of stock's (checked above)."""
     found = _wgrad_calls()
     tokens, h = OPTIONS.seq_length * MICRO_BATCH, OPTIONS.hidden_size
     bf16, fp32 = torch.bfloat16, torch.float32
@@ -286,7 +291,8 @@ def test_column_pieces_accumulate_into_main_grad_rows():
             for _ in range(CHUNKS)
         ], (name, calls)
         assert found["stock"]["calls"][name] == [("fp32", bf16, bf16, fp32, tokens, h, 0)]
-    assert found["domino-k2"]["placeholders"] == {name: [True] for name in rows}
+    assert found["domino-k2"]["placeholders"] == {name: [False] * CHUNKS for name in rows}
+    assert found["domino-k2-autograd-order"]["placeholders"] == {name: [True] for name in rows}
 
 
 # --- the production defaults: Transformer Engine's layers, SP, fusions, distributed optimizer

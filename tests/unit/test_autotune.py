@@ -98,10 +98,17 @@ def test_the_flag_takes_a_number_or_auto():
 
 
 def test_auto_is_not_one_config_and_owns_the_split_and_the_column_chunks():
-    args = _parse("--domino", "--domino-chunks", "auto", "--no-domino-inter-layer")
+    args = _parse(
+        "--domino", "--domino-chunks", "auto", "--no-domino-inter-layer",
+        "--domino-backward-order", "autograd",
+    )  # fmt: skip
     with pytest.raises(DominoConfigError, match="describes candidates"):
         DominoConfig.from_args(args)
-    assert DominoConfig.auto_fields(args) == {"inter_layer": False, "backward_overlap": True}
+    assert DominoConfig.auto_fields(args) == {
+        "inter_layer": False,
+        "backward_overlap": True,
+        "backward_order": "autograd",
+    }
     for flag, value in (("--domino-split", "sequence"), ("--domino-column-chunks", "2")):
         args = _parse("--domino", "--domino-chunks", "auto", flag, value)
         with pytest.raises(DominoConfigError, match=f"chooses {flag} too; drop {flag} {value}"):

@@ -33,16 +33,33 @@ LAYER_OPS = (
 )
 
 
-def _wavefront_log(op_names: list[str], p: int) -> list[tuple[str, int]]:
-    """``(op, chunk)`` in the order :func:`schedule.run_wavefront` runs them."""
+def _wavefront_log(op_names: list[str], p: int, kinds=None) -> list[tuple[str, int]]:
+    """``(op, chunk)`` in the order :func:`schedule.run_wavefront` runs them (within a tick in
+    the order ``kinds``)."""
     log = []
     sequence = [
         (name, 0, functools.partial(lambda name, chunk: log.append((name, chunk.index)), name))
         for name in op_names
     ]
     runtime = SimpleNamespace(recorder=NULL_RECORDER)
-    schedule.run_wavefront(runtime, sequence, [SimpleNamespace(index=c) for c in range(p)])
+    chunks = [SimpleNamespace(index=c) for c in range(p)]
+    schedule.run_wavefront(runtime, sequence, chunks, kinds)
     return log
+
+
+def _forward_covers(log: list[tuple[str, int]], p: int) -> dict:
+    """Per row-output all-reduce ``(projection, chunk)`` of the first layer: the other chunks'
+    ops run between its launch (the projection) and its wait (the next norm)."""
+    covers = {}
+    for c in range(p):
+        for launch, wait in (
+            ("attention_projection", "mlp_norm"),
+            ("mlp_projection", "attention_norm"),
+        ):
+            launched = log.index((launch, c))
+            waited = next(i for i, step in enumerate(log) if i > launched and step == (wait, c))
+            covers[launch, c] = [step for step in log[launched:waited] if step[1] != c]
+    return covers
 
 
 def test_the_wavefront_runs_chunk_c_c_ops_behind_chunk_0():
@@ -76,6 +93,35 @@ def test_each_projections_collective_flies_behind_the_next_chunks_core(p):
             assert (core, c + 1) in log[launched:waited], (launch, c, log[launched:waited])
 
 
+@pytest.mark.parametrize("p", [2, 4])
+def test_launch_first_ticks_launch_before_they_wait(p):
+    """With legs the forward runs each tick's projections (launches) first, then the cores,
+    then the norms (waits): every row output's all-reduce flies behind at least two ops of
+    other chunks, one of them a core, where chunk order gives chunk 0's only one at p = 2."""
+    ops = list(LAYER_OPS) * 2
+    launch_first = _forward_covers(_wavefront_log(ops, p, schedule.LAUNCH_FIRST), p)
+    chunk_order = _forward_covers(_wavefront_log(ops, p), p)
+    for (launch, c), cover in launch_first.items():
+        assert len(cover) >= 2 and any(name.endswith("_core") for name, _ in cover), (launch, c)
+        assert len(cover) >= len(chunk_order[launch, c]), (launch, c)
+    if p == 2:
+        assert len(chunk_order["attention_projection", 0]) == 1
+        assert launch_first["attention_projection", 0] == [
+            ("attention_core", 1),
+            ("attention_projection", 1),
+        ]
+
+
+def test_the_tick_order_is_launch_first_only_with_legs_and_without_sequence_parallelism():
+    def runtime(legs, sequence_parallel):
+        return SimpleNamespace(step=SimpleNamespace(legs=legs), sequence_parallel=sequence_parallel)
+
+    assert schedule.tick_order(runtime(object(), False)) == schedule.LAUNCH_FIRST
+    assert schedule.tick_order(runtime(None, False)) is None
+    assert schedule.tick_order(runtime(object(), True)) is None
+    assert set(schedule.OP_KINDS.values()) == set(schedule.LAUNCH_FIRST)
+
+
 class _FakeLayerOps:
     """Stands in for :class:`schedule.LayerOps`: records the segment links it was given."""
 
@@ -93,9 +139,14 @@ def _segments(monkeypatch, inter_layer: bool, layers: int, final_layernorm=None,
     """The op sequences :func:`schedule.run_layers` hands the wavefront, one per segment."""
     sequences = []
     monkeypatch.setattr(schedule, "LayerOps", _FakeLayerOps)
-    monkeypatch.setattr(schedule, "run_wavefront", lambda rt, seq, chunks: sequences.append(seq))
+    monkeypatch.setattr(
+        schedule, "run_wavefront", lambda rt, seq, chunks, kinds: sequences.append(seq)
+    )
     runtime = SimpleNamespace(
-        config=DominoConfig(chunks=2, inter_layer=inter_layer), chunk_logits=chunk_logits
+        config=DominoConfig(chunks=2, inter_layer=inter_layer),
+        chunk_logits=chunk_logits,
+        step=SimpleNamespace(legs=None),
+        sequence_parallel=False,
     )
     schedule.run_layers(
         runtime, [object()] * layers, [], first_index=5, final_layernorm=final_layernorm
