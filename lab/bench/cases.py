@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from lab.models.model_options import LLAMA_FLAVOUR
 
-__all__ = ["CASES", "SETTINGS"]
+__all__ = ["ABLATIONS", "CASES", "SETTINGS"]
 
 #: Shapes where each chunk keeps 512 tokens (s * b / p at p = 2): smaller chunks lose CPU GEMM
 #: efficiency and pay for accumulating each weight gradient once per chunk, which is not the
@@ -26,7 +26,11 @@ _LLAMA = dict(_MODEL, **LLAMA_FLAVOUR, num_query_groups=4, ffn_hidden_size=2816)
 _MODEL_H512 = dict(_MODEL, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048)
 #: The Domino settings the benchmark runs (names: :mod:`megatron_domino.base.settings`).
 SETTINGS = ("p2", "p4", "p2-k2", "p1-k2", "s2", "s4")
-_BATCH_SETTINGS = ("p2", "p4", "p2-k2", "p1-k2")
+#: Run only when asked for (``--settings``): the backward order autograd derives from the
+#: forward (the order before Domino chose its own, an ablation) and each chunk's backward
+#: back to back (a negative control: its backward waits must come back).
+ABLATIONS = ("p2-autograd-order", "p2-serial-order", "s2-autograd-order")
+_BATCH_SETTINGS = ("p2", "p4", "p2-k2", "p1-k2", "p2-autograd-order", "p2-serial-order")
 #: Each case runs the settings it lists that were asked for. ``gpt-h1024-l8`` is ``gpt-h1024``
 #: twice as deep, so that a result is not carried by the model's two ends (the first chunk's
 #: embedding all-reduce and the last chunk's final one, which no schedule can hide: each
@@ -46,6 +50,6 @@ CASES = {
     "llama-h1024-mb1": dict(
         model=dict(_LLAMA, seq_length=1024),
         micro_batch_size=1,
-        settings=("p1-k2", "s2", "s4"),
+        settings=("p1-k2", "s2", "s4", "s2-autograd-order"),
     ),
 }

@@ -3,7 +3,7 @@
 The tests, the benchmark and the GPU check name the settings they run; a name is read by
 :func:`setting`, from this grammar::
 
-    [sp-](p|s)P[-kK][-intra-layer][-no-backward-overlap]
+    [sp-](p|s)P[-kK][-intra-layer][-no-backward-overlap][-autograd-order|-serial-order]
 
 ========================  ===================================================================
 part                      meaning
@@ -13,6 +13,8 @@ part                      meaning
 ``-kK``                   ``K`` column pieces (``--domino-column-chunks K``)
 ``-intra-layer``          ``--no-domino-inter-layer``
 ``-no-backward-overlap``  ``--no-domino-backward-overlap``
+``-autograd-order``       ``--domino-backward-order autograd`` (the ablation)
+``-serial-order``         ``--domino-backward-order serial`` (the negative control)
 ``sp-``                   the model runs with ``--sequence-parallel`` (not a Domino field)
 ========================  ===================================================================
 
@@ -33,6 +35,7 @@ __all__ = ["Setting", "domino_configs", "setting", "setting_name"]
 _GRAMMAR = re.compile(
     r"(?P<sp>sp-)?(?P<split>[ps])(?P<chunks>\d+)(?:-k(?P<pieces>\d+))?"
     r"(?P<intra>-intra-layer)?(?P<no_backward>-no-backward-overlap)?"
+    r"(?:-(?P<order>autograd|serial)-order)?"
 )
 
 
@@ -61,7 +64,7 @@ def setting(name: str) -> Setting:
     if match is None:
         raise ValueError(
             f"{name!r} is not a setting name: [sp-](p|s)P[-kK][-intra-layer]"
-            "[-no-backward-overlap], e.g. p2, p2-k2, s4, sp-p2."
+            "[-no-backward-overlap][-autograd-order|-serial-order], e.g. p2, p2-k2, s4, sp-p2."
         )
     config = DominoConfig(
         chunks=int(match["chunks"]),
@@ -69,6 +72,7 @@ def setting(name: str) -> Setting:
         split_along="sequence" if match["split"] == "s" else "batch",
         inter_layer=not match["intra"],
         backward_overlap=not match["no_backward"],
+        backward_order=match["order"] or "legs",
     )
     return Setting(name, config, sequence_parallel=bool(match["sp"]))
 

@@ -123,6 +123,9 @@ class CollectiveSite:
             (module relative to ``megatron_domino``).
         waited_in: the call path that waits for it, likewise.
         what: what it moves, and who places its launch and wait.
+        legs: in backward, where the step has legs (``engine.legs``; the schedule's module
+            docstring has the order), which leg's backward launches it and which leg's waits
+            for it, and what runs between; empty in forward.
     """
 
     label: str
@@ -131,6 +134,7 @@ class CollectiveSite:
     launched_in: tuple[str, ...]
     waited_in: tuple[str, ...]
     what: str
+    legs: str = ""
 
 
 def _sublayer_sites(sublayer: str, norm_op: str, core_op: str, wait_op: str):
@@ -170,6 +174,8 @@ def _sublayer_sites(sublayer: str, norm_op: str, core_op: str, wait_op: str):
             ),
             f"{column}'s input gradient [s, b/p, h]; the wait is placed on its input by "
             f"{norm_op}, the launch by engine.linears:column_parallel_forward (with backward overlap)",
+            f"launched last by the leg that begins with {core_op}, waited first by the chunk's "
+            f"leg that ends with {norm_op}; the other p - 1 chunks' legs run between",
         ),
         CollectiveSite(
             labels.input_ag,
@@ -183,10 +189,17 @@ def _sublayer_sites(sublayer: str, norm_op: str, core_op: str, wait_op: str):
             labels.input_ag,
             REDUCE_SCATTER,
             "bwd",
-            ("communication.sequence_parallel:_GatherWait.backward",),
+            (
+                "engine.backward_overlap:_ColumnLinearAsyncDgrad.backward",
+                "communication.sequence_parallel:InputGradientScatter.launch",
+            ),
             ("communication.sequence_parallel:_GatherLaunch.backward",),
             f"SP: {column}'s input gradient [s, b/p, h] -> [s/tp, b/p, h] ({labels.input_ag}'s "
-            "backward twin, same slot)",
+            "backward twin, same slot), launched between the linear's dgrad and dW GEMMs "
+            "(on Transformer Engine's linear, after its backward: "
+            "communication.sequence_parallel:_GatherWait.backward)",
+            f"launched last by the leg {core_op} (K), waited first by the chunk's leg {norm_op} "
+            "(N); between them another chunk's projection leg (R) at p = 2",
         ),
         CollectiveSite(
             labels.output_rs,
@@ -208,6 +221,8 @@ def _sublayer_sites(sublayer: str, norm_op: str, core_op: str, wait_op: str):
             ("communication.sequence_parallel:_ScatterLaunch.backward",),
             f"SP: {row}'s output gradient [s/tp, b/p, h/k] -> [s, b/p, h/k] "
             f"({labels.output_rs}'s backward twin, same slot)",
+            f"launched last by the leg {wait_op} (N), waited first by the chunk's projection "
+            "leg (R); between them another chunk's core leg (K) at p = 2",
         ),
         CollectiveSite(
             labels.input_regather,
@@ -224,6 +239,8 @@ def _sublayer_sites(sublayer: str, norm_op: str, core_op: str, wait_op: str):
             f"SP: the shard of {column}'s input kept for backward, gathered again (launched "
             "right after the same chunk's output-gradient gather, waited by the first saved "
             "tensor the column linear's backward unpacks)",
+            f"launched last by the leg {wait_op} (N), waited inside the chunk's core leg "
+            f"{core_op} (K); between them another chunk's core leg and this chunk's projection leg",
         ),
     )
 
@@ -245,6 +262,8 @@ COLLECTIVE_SITES: tuple[CollectiveSite, ...] = (
         ("engine.backward_overlap:_WaitForDgradReduce.backward", "communication.collectives:DgradAllReduce.wait"),
         "the output layer's input gradient [s, b/p, h], per chunk, last chunk first; the wait "
         "is placed on the final norm's output by engine.output_head:place_head_wait",
+        "launched by the output layer's backward, outside the legs; waited first by each "
+        "chunk's last leg (chunk p-1's first, behind the output layer's dW GEMM)",
     ),
 )  # fmt: skip
 

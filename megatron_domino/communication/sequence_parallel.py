@@ -59,7 +59,8 @@ class _GatherLaunch(torch.autograd.Function):
 
 
 class _GatherWait(torch.autograd.Function):
-    """Forward: wait for the all-gather (``[s, b/p, h]``); backward: launch the dX scatter."""
+    """Forward: wait for the all-gather (``[s, b/p, h]``); backward: launch the dX scatter,
+    unless the column linear's backward launched it already (:class:`InputGradientScatter`)."""
 
     @staticmethod
     def forward(ctx, shard: torch.Tensor, slot: SequenceCollective):
@@ -68,8 +69,28 @@ class _GatherWait(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_full: torch.Tensor):
-        ctx.slot.reduce_scatter(grad_full, "bwd")
+        if not ctx.slot.pending:
+            ctx.slot.reduce_scatter(grad_full, "bwd")
         return ctx.slot.output_in_flight(), None
+
+
+class InputGradientScatter:
+    """A column linear's input-gradient collective under sequence parallelism: the
+    reduce-scatter of ``dX`` ``[s, b/p, h] -> [s/tp, b/p, h]`` on the chunk's gather slot,
+    launched by the linear's own backward between its dgrad and dW GEMMs
+    (:class:`~megatron_domino.engine.backward_overlap._ColumnLinearAsyncDgrad`, Megatron's local
+    linears), so that the linear's dW runs while it flies, as for the all-reduce without
+    sequence parallelism. :class:`_GatherWait`'s backward then finds it launched; Transformer
+    Engine's linear, whose dW runs inside its own backward, leaves the launch to it.
+    """
+
+    def __init__(self, slot: SequenceCollective) -> None:
+        self.slot = slot
+        self.label = slot.label
+
+    def launch(self, grad_full: torch.Tensor) -> None:
+        """Start the reduce-scatter of ``grad_full`` ``[s, b/p, h]``."""
+        self.slot.reduce_scatter(grad_full, "bwd")
 
 
 class _ScatterLaunch(torch.autograd.Function):

@@ -16,9 +16,10 @@ every one of them runs the stock ``forward``.
   :class:`~megatron_domino.engine.row_output.PendingReduce`,
   which the next norm op waits for.
 * **Column-parallel** (``linear_qkv``, ``linear_fc1``), :func:`column_parallel_forward`: with
-  backward overlap, the GEMM whose backward leaves the input-gradient all-reduce in flight
-  (:mod:`megatron_domino.engine.backward_overlap`); under sequence parallelism, Megatron's own GEMM
-  path on the input the schedule gathered, keeping only this rank's shard of it for backward
+  backward overlap, the GEMM whose backward leaves the input-gradient all-reduce (under
+  sequence parallelism: reduce-scatter) in flight
+  (:mod:`megatron_domino.engine.backward_overlap`); under sequence parallelism on the input the
+  schedule gathered, keeping only this rank's shard of it for backward
   (:mod:`megatron_domino.communication.saved_shards`).
 
 Chunk shapes are written for the batch split, ``[s, b/p, h]``; under the sequence split
@@ -113,11 +114,14 @@ def column_parallel_forward(
 ):
     """Column-parallel GEMM whose input-gradient collective outlives its backward.
 
-    Without sequence parallelism the GEMM's backward launches the dX all-reduce (waited by the
-    identity the schedule placed on ``input_``). With it, ``input_`` was already gathered by
-    the schedule, whose gather nodes also reduce-scatter dX, so this is Megatron's own GEMM
-    path, keeping only this rank's shard of ``input_`` for backward, as stock sequence
-    parallelism does (:func:`~megatron_domino.communication.saved_shards.keeping_input_shards`).
+    The GEMM's backward launches the dX collective between its dgrad and dW GEMMs: without
+    sequence parallelism the all-reduce (waited by the identity the schedule placed on
+    ``input_``); with it, ``input_`` was gathered by the schedule and the collective is the
+    reduce-scatter of dX on the same slot
+    (:class:`~megatron_domino.communication.sequence_parallel.InputGradientScatter`, waited by
+    the gather's launch node), and the call keeps only this rank's shard of ``input_`` for
+    backward, as stock sequence parallelism does
+    (:func:`~megatron_domino.communication.saved_shards.keeping_input_shards`).
 
     Args:
         input_: ``[s, b/p, h]``, the norm output, replicated (or gathered) on every TP rank.
@@ -134,7 +138,17 @@ def column_parallel_forward(
             "the schedule prepared for it; this Megatron-Core module structure is unsupported."
         )
     bias = None if module.skip_bias_add else module.bias
-    if runtime.sequence_parallel:
+    accumulate = module.gradient_accumulation_fusion and hasattr(module.weight, "main_grad")
+    slot, chunk.dgrad_slot = chunk.dgrad_slot, None
+    if runtime.sequence_parallel and getattr(module, "output_dtype", None) is None:
+        # dX's reduce-scatter launched by the GEMM's backward, between its dgrad and dW.
+        with keeping_input_shards(chunk.input_regather, input_, module):
+            output = column_linear_async_dgrad(input_, module.weight, bias, slot, accumulate)
+        time_backward(
+            output, runtime.recorder, f"{step.sublayer}_column_gemm", step.layer, chunk.index
+        )
+    elif runtime.sequence_parallel:
+        # Megatron-Core 0.20's output_dtype: its own GEMM path; _GatherWait launches dX's scatter.
         with keeping_input_shards(chunk.input_regather, input_, module):
             output = module._forward_impl(
                 input=input_,
@@ -158,8 +172,6 @@ def column_parallel_forward(
                 "build it without output_dtype, or use --sequence-parallel or "
                 "--no-domino-backward-overlap (both run Megatron's own GEMM path)."
             )
-        slot, chunk.dgrad_slot = chunk.dgrad_slot, None
-        accumulate = module.gradient_accumulation_fusion and hasattr(module.weight, "main_grad")
         output = column_linear_async_dgrad(input_, module.weight, bias, slot, accumulate)
     one_placeholder_per_call(output, module.weight, chunk=chunk.index, legs=step.legs is not None)
     return output, module.bias if module.skip_bias_add else None

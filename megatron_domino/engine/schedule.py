@@ -30,11 +30,68 @@ and before chunk ``c+1``'s finish waits for it.
 
 **Wavefront.** At tick ``t`` chunk ``c`` runs its op ``t - c``. So chunk ``c+1``'s core runs
 between chunk ``c``'s projection (launch) and its next norm (wait): every forward all-reduce
-flies behind another chunk's GEMMs. For ``p = 2`` this is exactly the order of the Domino
-paper (arXiv 2409.15241, sec. 4). In backward, autograd runs ready nodes latest-created first;
-because another chunk's projection op was created between a chunk's norm (where the dX wait
-sits) and its core (whose column linear launches the dX all-reduce), that projection's
-backward GEMMs run while the dX all-reduce flies.
+flies behind another chunk's GEMMs. For ``p = 2`` in chunk order this is exactly the order of
+the Domino paper (arXiv 2409.15241, sec. 4). Within a tick the ops are independent; where the
+step has legs (below) and no sequence parallelism, a tick runs its projections (launches)
+first, then its cores, then its norms (waits): *launch-first* (:func:`tick_order`,
+:data:`OP_KINDS`), so that each all-reduce flies behind two ops of another chunk. Forward at
+``p = 2``, layer ``l`` (``↑`` launch, ``↓`` wait of the row output's all-reduce, ``AR``)::
+
+    tick  launch-first                                   chunk order (autograd's backward)
+    t     c1 mlp_projection(l-1) ↑, c0 attention_norm ↓  c0 attention_norm ↓, c1 mlp_projection ↑
+    t+1   c0 attention_core,        c1 attention_norm ↓  the same
+    t+2   c0 attention_projection ↑, c1 attention_core   the same
+    t+3   c1 attention_projection ↑, c0 mlp_norm ↓       c0 mlp_norm ↓, c1 attention_projection ↑
+    t+4   c0 mlp_core,              c1 mlp_norm ↓        the same
+    t+5   c0 mlp_projection ↑,      c1 mlp_core          the same
+
+Chunk 0's attention AR flies behind chunk 1's core and projection (its core only in chunk
+order), chunk 1's behind chunk 0's norm and core.
+
+**Backward: legs** (:mod:`megatron_domino.engine.legs`, ``--domino-backward-order legs``,
+the default wherever a backward collective is in flight: with backward overlap, always under
+sequence parallelism). Left to autograd, the backward would replay the forward's creation order
+reversed, so the op between a chunk's norm (the dX wait) and its core (the dX launch) would be
+the other chunk's projection of the same tick, and launch-first would take it away. Instead the
+schedule cuts each chunk's ops into *legs* at the points where a backward collective is launched
+in one op and waited in another (:meth:`LayerOps._cut`); each leg's backward runs whole, in the
+order :func:`~megatron_domino.engine.legs.backward_order` gives. Without sequence parallelism
+the cut is the column input (the norm output behind its dX wait), so a layer has two legs per
+chunk: ``A(c, l)`` = attention_core .. mlp_norm and ``M(c, l)`` = mlp_core .. attention_norm of
+``l+1``. ``Q``/``F``: the QKV/fc1 input-gradient all-reduce (``attention_dgrad_ar``,
+``mlp_dgrad_ar``), launched at the end of the leg that holds the column linear and waited first
+by the leg before it. Backward at ``p = 2``, legs of one position, chunks from the last::
+
+    step  leg        waits first   launches last   flies meanwhile
+    1     M(c1, l)   Q(l+1, c1)    F(l, c1)        Q(l+1, c0)
+    2     M(c0, l)   Q(l+1, c0)    F(l, c0)        F(l, c1)
+    3     A(c1, l)   F(l, c1)      Q(l, c1)        F(l, c0)
+    4     A(c0, l)   F(l, c0)      Q(l, c0)        Q(l, c1)
+
+Each all-reduce flies behind the other chunk's whole leg (its projection, core and column
+linear backward); with ``p`` chunks behind ``p - 1`` legs. Under sequence parallelism a
+sub-layer's backward has three collectives: the all-gather of the row linear's output
+gradient (``*_rs``'s twin, launched by the next norm op's backward, waited by the projection
+op's), the re-gather of the column linear's saved input (``*_regather``, launched with it,
+waited by the column linear's backward) and the reduce-scatter of the column input's gradient
+(``*_ag``'s twin, launched by the core op's backward, waited by the norm op's). So every op is
+a leg: ``K`` (core), ``R`` (projection), ``N`` (norm: the reduce-scatter's wait, bias-dropout-add,
+norm, the all-gather's launch), and each chunk runs one leg behind the next chunk (lag 1), so
+that each collective flies behind a larger leg of the other chunk::
+
+    step  leg               waits first          launches last
+    1     K(c1, mlp)        (fc1 input regather) fc1 dX reduce-scatter c1
+    2     R(c0, mlp)        fc2 dY gather c0     -
+    3     N(c1, mlp_norm)   fc1 dX c1            proj dY gather c1, QKV input regather c1
+    4     K(c0, mlp)        (fc1 input regather) fc1 dX reduce-scatter c0
+    5     R(c1, attention)  proj dY gather c1    -
+    6     N(c0, mlp_norm)   fc1 dX c0            proj dY gather c0, QKV input regather c0
+
+(dY gathers fly behind a core, dX reduce-scatters behind a projection, re-gathers behind two
+legs). ``--domino-backward-order autograd`` keeps autograd's order and chunk-order ticks (the
+ablation); ``serial`` runs each chunk's legs back to back (a negative control). The table of
+collectives says per collective which leg launches and which waits
+(:data:`~megatron_domino.communication.collectives.COLLECTIVE_SITES`).
 
 **Segments.** With inter-layer overlap the whole stack is one segment: the last chunk's MLP
 all-reduce of layer ``l`` is waited in layer ``l+1``'s ``attention_norm``. Without it, each
@@ -57,7 +114,11 @@ from megatron_domino.communication.collectives import (
     SequenceCollective,
 )
 from megatron_domino.communication.saved_shards import SavedInputRegather
-from megatron_domino.communication.sequence_parallel import launch_gather, wait_gather
+from megatron_domino.communication.sequence_parallel import (
+    InputGradientScatter,
+    launch_gather,
+    wait_gather,
+)
 from megatron_domino.communication.te_fp8_inputs import fp8_input_quantizer, quantized_norm_output
 from megatron_domino.engine.backward_overlap import wait_for_dgrad_reduce
 from megatron_domino.engine.linears import row_projection
@@ -114,6 +175,7 @@ class LayerOps:
         self._finish_gather(chunk)
         with self.runtime.acting_for(chunk, self.index, "attention", defer=attention.linear_proj):
             attention(chunk.linear_input, **chunk.attention_inputs)
+        chunk.dgrad_slot = None
 
     def projection(self, sublayer: str, chunk: ChunkState) -> None:
         """Run the row-parallel GEMM the core op captured; launch its collectives.
@@ -147,6 +209,7 @@ class LayerOps:
         self._finish_gather(chunk)
         with self.runtime.acting_for(chunk, self.index, "mlp", defer=self.layer.mlp.linear_fc2):
             self.layer.mlp(chunk.linear_input)
+        chunk.dgrad_slot = None
 
     def finish(self, chunk: ChunkState) -> None:
         """Wait for this layer's MLP all-reduce and add it to the residual stream."""
@@ -250,10 +313,12 @@ class LayerOps:
 
     @staticmethod
     def _finish_gather(chunk: ChunkState) -> None:
-        """Under sequence parallelism, wait for the column linear's gathered input ``[s, b/p, h]``."""
+        """Under sequence parallelism, wait for the column linear's gathered input ``[s, b/p, h]``;
+        the slot becomes the column linear's, whose backward (Megatron's local linear) reduce-
+        scatters the input gradient through it (:class:`InputGradientScatter`)."""
         if chunk.gather_slot is not None:
             chunk.linear_input = wait_gather(chunk.linear_input, chunk.gather_slot)
-            chunk.gather_slot = None
+            chunk.dgrad_slot, chunk.gather_slot = InputGradientScatter(chunk.gather_slot), None
 
 
 def segment_ops(layer_ops: list[LayerOps]) -> list[tuple[str, int, Op]]:
