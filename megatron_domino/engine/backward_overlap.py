@@ -56,7 +56,12 @@ class _ColumnLinearAsyncDgrad(torch.autograd.Function):
     def forward(
         ctx, linear_input, weight, bias, slot: DgradAllReduce, accumulate_in_main_grad: bool
     ):
-        ctx.save_for_backward(linear_input, weight)
+        # The weight itself, not a saved tensor: a saved tensor comes back from backward as a
+        # new tensor object (always so under saved-tensor hooks, as sequence parallelism's
+        # keeping of input shards installs), without the parameter's ``main_grad`` and
+        # ``grad_added_to_main_grad``, which fused accumulation and DDP's hook read on it.
+        ctx.save_for_backward(linear_input)
+        ctx.weight = weight
         ctx.slot = slot
         ctx.has_bias = bias is not None
         ctx.accumulate_in_main_grad = accumulate_in_main_grad
@@ -66,7 +71,7 @@ class _ColumnLinearAsyncDgrad(torch.autograd.Function):
     @staticmethod
     @megatron_layers.custom_bwd
     def backward(ctx, grad_output):
-        linear_input, weight = ctx.saved_tensors
+        (linear_input,), weight = ctx.saved_tensors, ctx.weight
         label = ctx.slot.label
         with label.recorder.region("dgrad_gemm", label.layer, label.chunk, "bwd"):
             grad_input = grad_output.matmul(weight)

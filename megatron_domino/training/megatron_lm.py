@@ -166,10 +166,16 @@ class DominoModelHook:
         sequence_parallel = any(
             getattr(chunk.config, "sequence_parallel", False) for chunk in self._chunks
         )
+        config = self.config
+        backward = (
+            f"backward order {config.backward_order}"
+            if config.backward_overlap or sequence_parallel
+            else "backward Megatron-Core's own (no backward collective in flight to order)"
+        )
         return (
             f"> Domino: {what!r} on {len(self._chunks)} model chunk(s), TP "
             f"{parallel_state.get_tensor_model_parallel_world_size()}, sequence parallel "
-            f"{'on' if sequence_parallel else 'off'}"
+            f"{'on' if sequence_parallel else 'off'}, {backward}"
         )
 
     @property

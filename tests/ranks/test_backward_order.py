@@ -10,8 +10,9 @@
   dW GEMM and another chunk's GEMMs, the gather of each row linear's output gradient behind
   another chunk's GEMMs (``serial`` again fails it).
 * **Megatron DDP with ``overlap_grad_reduce`` and the distributed optimizer**, two steps of two
-  micro-batches, fp32: losses, every ``main_grad`` after ``finalize_model_grads`` and the
-  weights after Adam equal stock's to fp32 rounding; each layer weight's DDP hook runs once per
+  micro-batches, fp32, also under sequence parallelism with gradient-accumulation fusion:
+  losses, every ``main_grad`` after ``finalize_model_grads`` and the weights after Adam equal
+  stock's to fp32 rounding; each layer weight's DDP hook runs once per
   chunk's leg (``p`` per micro-batch; once under autograd's order), and each bucket's
   reduction starts once, after its last weight's last leg, inside the backward. A control with
   one gradient 1 % off fails the same comparison.
@@ -175,10 +176,27 @@ def _hooked_bucket_groups(ddp, names: dict, log: list):
     return patches
 
 
-def _ddp_training(config: DominoConfig | None) -> dict:
+def _ddp_training(config: DominoConfig | None, sequence_parallel: bool = False) -> dict:
     """Two Adam steps (distributed optimizer) of two micro-batches each, DDP overlapping the
     gradient reduction; per step the losses, the main_grads after finalize_model_grads and the
-    DDP log of the last micro-batch's backward; the weights at the end."""
+    DDP log of the last micro-batch's backward; the weights at the end. With
+    ``sequence_parallel`` also gradient-accumulation fusion (Megatron's fused weight-gradient
+    GEMM, its CPU stand-in)."""
+    from fused_wgrad_stand_in import installed
+
+    torch.manual_seed(0)
+    options = dataclasses.replace(
+        OPTIONS,
+        num_layers=2,
+        sequence_parallel=sequence_parallel,
+        gradient_accumulation_fusion=sequence_parallel,
+    )
+    fusion = installed() if sequence_parallel else contextlib.nullcontext()
+    with fusion:
+        return _train_ddp(options, config)
+
+
+def _train_ddp(options: GPTOptions, config: DominoConfig | None) -> dict:
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -186,8 +204,6 @@ def _ddp_training(config: DominoConfig | None) -> dict:
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    torch.manual_seed(0)
-    options = dataclasses.replace(OPTIONS, num_layers=2)
     model = build_gpt_model(options)
     ddp = DistributedDataParallel(
         config=model.config,
@@ -231,6 +247,8 @@ def _ddp_arms() -> dict:
         "stock": _ddp_training(None),
         "legs": _ddp_training(DominoConfig(chunks=CHUNKS)),
         "autograd-order": _ddp_training(DominoConfig(chunks=CHUNKS, backward_order="autograd")),
+        "sp-stock": _ddp_training(None, sequence_parallel=True),
+        "sp-legs": _ddp_training(DominoConfig(chunks=CHUNKS), sequence_parallel=True),
     }
 
 
@@ -266,8 +284,8 @@ def _differences(run: dict, reference: dict) -> list[str]:
 
 
 def test_ddp_overlap_and_distributed_optimizer_train_as_stock(ddp_arms):
-    for arm in ("legs", "autograd-order"):
-        assert not _differences(ddp_arms[arm], ddp_arms["stock"]), arm
+    for arm, stock in (("legs", "stock"), ("autograd-order", "stock"), ("sp-legs", "sp-stock")):
+        assert not _differences(ddp_arms[arm], ddp_arms[stock]), arm
     assert ddp_arms["stock"]["steps"][1]["losses"] != ddp_arms["stock"]["steps"][0]["losses"]
 
 
@@ -289,7 +307,9 @@ def _ready_counts(log: list) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("arm, per_layer_weight", [("legs", CHUNKS), ("autograd-order", 1)])
+@pytest.mark.parametrize(
+    "arm, per_layer_weight", [("legs", CHUNKS), ("autograd-order", 1), ("sp-legs", CHUNKS)]
+)
 def test_ddp_hooks_run_once_per_leg_and_each_bucket_reduces_once_after_its_last(
     ddp_arms, arm, per_layer_weight
 ):

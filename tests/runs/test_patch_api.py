@@ -120,14 +120,20 @@ def test_attach_adds_the_hook_and_the_loop_hooks(monkeypatch):
     assert megatron_lm.attach(model_config, _parse(monkeypatch)) is None  # no --domino
 
 
-def test_the_banner_names_config_chunks_tp_and_sp(monkeypatch):
+def test_the_banner_names_config_chunks_tp_sp_and_the_backward(monkeypatch):
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 4)
     hook = megatron_lm.DominoModelHook(DominoConfig(chunks=2, split_along="sequence"))
     hook._chunks = [SimpleNamespace(config=SimpleNamespace(sequence_parallel=True))] * 2
     assert hook.banner() == (
-        f"> Domino: {hook.config!r} on 2 model chunk(s), TP 4, sequence parallel on"
+        f"> Domino: {hook.config!r} on 2 model chunk(s), TP 4, sequence parallel on, "
+        "backward order legs"
     )
     assert "split_along='sequence'" in hook.banner()
+    hook = megatron_lm.DominoModelHook(DominoConfig(chunks=2, backward_overlap=False))
+    hook._chunks = [SimpleNamespace(config=SimpleNamespace(sequence_parallel=False))]
+    assert hook.banner().endswith(
+        "backward Megatron-Core's own (no backward collective in flight to order)"
+    )
 
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM")
