@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from lab.bench.cover import cover_tables
 from lab.bench.host_time import host_table
 from lab.bench.metrics import DEEPSPEED, arm_names
 from megatron_domino.tools.plots import pyplot, save
@@ -164,11 +165,13 @@ def _link_cost(cases: list[dict]) -> str:
 
 
 def write_artefacts(out_dir: Path, run: dict) -> list[Path]:
-    """Write ``latest.json``, ``table.md`` and plots into ``out_dir``; return the paths."""
+    """Write ``latest.json``, ``table.md``, ``covers.md`` (what each collective of a traced
+    step flew behind, :mod:`lab.bench.cover`) and plots into ``out_dir``; return the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = [out_dir / "latest.json", out_dir / "table.md"]
+    written = [out_dir / "latest.json", out_dir / "table.md", out_dir / "covers.md"]
     written[0].write_text(json.dumps(run, indent=1))
     written[1].write_text(markdown_table(run["cases"]) + host_table(run.get("host_time")))
+    written[2].write_text(cover_tables(run))
     if pyplot("no plots written") is None:
         return written
     for case in run["cases"]:

@@ -133,18 +133,21 @@ def _timed_step(
 
 def _peak_memory_bytes(model, batch) -> int:
     """Peak memory of one forward+backward: the CUDA allocator's peak on GPU; on the CPU the
-    bytes of distinct storages autograd saved for backward (the activations), which is what
-    chunking could change."""
+    bytes of distinct storages autograd saved for backward (the activations; the parameters'
+    own storages left out, which a linear may save or keep beside its saved tensors), which is
+    what chunking could change."""
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         _timed_step(model, batch)
         return torch.cuda.max_memory_allocated()
+    parameters = {param.untyped_storage().data_ptr() for param in model.parameters()}
     storages: dict[int, int] = {}
 
     def pack(tensor):
         storage = tensor.untyped_storage()
-        storages[storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in parameters:
+            storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):

@@ -107,4 +107,6 @@ def test_worker_metrics_and_artefacts(tmp_path):
     assert "Where one traced step waited on the emulated link" in table
     assert f"tiny: emulated link served {result['link_stats']['collectives']} collectives" in table
     assert f"| tiny | {auto['choice']} | {auto['fastest']} | {auto['ratio']:.3f} |" in table
+    covers = (tmp_path / "covers.md").read_text()
+    assert "tiny, p2 (steady-state layers)" in covers and "| bwd | mlp_dgrad_ar | 1 |" in covers
     assert all(path.exists() for path in written)
