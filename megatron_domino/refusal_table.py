@@ -169,8 +169,9 @@ REFUSALS: tuple[Refusal, ...] = (
         "megatron-core outside 0.19.x; Transformer Engine outside the tested range",
         "Domino re-sequences those releases' internals",
         BY_DESIGN,
-        "megatron-core 0.19.x (`constraints.txt`); a newer one at your own risk with "
-        "`MEGATRON_DOMINO_ALLOW_UNTESTED_MEGATRON=1`",
+        "megatron-core 0.19.x (`constraints.txt`), Transformer Engine `>=2.18.0,<2.21`; a newer "
+        "one at your own risk with `MEGATRON_DOMINO_ALLOW_UNTESTED_MEGATRON=1` or "
+        "`MEGATRON_DOMINO_ALLOW_UNTESTED_TE=1` (one warning)",
     ),
     Refusal(
         "`--domino-chunks auto` through the patched `pretrain_gpt.py`",
@@ -214,7 +215,7 @@ REFUSALS: tuple[Refusal, ...] = (
     Refusal(
         "`--cuda-graph-impl full_iteration`",
         "--cuda-graph-impl full_iteration waits for a GPU to capture and replay a Domino step "
-        "(python -m lab.gpu_check --parts capture; the CPU-side checks pass, "
+        "(from a checkout: scripts/gpu_check.sh --parts capture; the CPU-side checks pass, "
         "tests/ranks/test_capture_safety.py)",
         NOT_YET,
         "set --cuda-graph-impl none until then",

@@ -42,8 +42,14 @@ def pytest_collection_modifyitems(items: list) -> None:
     in this order, so the long ones start at once instead of ending the run alone.
 
     The ``te`` tests are skipped, with the reason, where no Transformer Engine was installed
-    for them (``make`` installs it)."""
+    for them (``make`` installs it); under CI (``CI=true``, which ``.ci/run`` sets) that is an
+    error instead, so that a broken TE install cannot turn them into skips and pass."""
     if installed_te_version() is None:
+        if os.environ.get("CI") == "true" and any(item.get_closest_marker("te") for item in items):
+            raise pytest.UsageError(
+                f"CI=true, but the te tests cannot run: {te_version_line()}. Install it (make "
+                "install), or point MEGATRON_DOMINO_TE_HOME at a folder with TE's Python."
+            )
         missing = pytest.mark.skip(reason=te_version_line())
         for item in items:
             if item.get_closest_marker("te") is not None:

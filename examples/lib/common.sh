@@ -264,6 +264,11 @@ synthetic data."
         echo 1 || echo 0)}
     recipe_require_bool DISTRIBUTED_OPTIMIZER OVERLAP_GRAD_REDUCE SEQUENCE_PARALLEL
     FP8_FORMAT=${FP8_FORMAT:-}
+    # The FP8 recipes Domino runs (megatron_domino/refusals.py: _FP8_RECIPES_RUN); delayed
+    # scaling by default, current scaling (tensorwise) and 1x128 blocks (blockwise) on request.
+    FP8_RECIPE=${FP8_RECIPE:-delayed}
+    [[ $FP8_RECIPE == delayed || $FP8_RECIPE == tensorwise || $FP8_RECIPE == blockwise ]] ||
+        recipe_die "FP8_RECIPE=$FP8_RECIPE must be delayed, tensorwise or blockwise (the FP8 recipes Domino runs)."
     # Megatron-LM 0.19 needs --eval-interval; its examples evaluate every 1000 iterations on
     # 10 batches, and once more after training (EVAL_ITERS=0: no evaluation at all).
     EVAL_INTERVAL=${EVAL_INTERVAL:-1000}
@@ -403,7 +408,7 @@ recipe_pretrain_args() {
     )
     ((BF16)) && TRAINING_ARGS+=(--bf16)
     # FP8 GEMMs in Transformer Engine's linears (TRANSFORMER_IMPL=transformer_engine).
-    [[ -n $FP8_FORMAT ]] && TRAINING_ARGS+=(--fp8-format "$FP8_FORMAT" --fp8-recipe delayed)
+    [[ -n $FP8_FORMAT ]] && TRAINING_ARGS+=(--fp8-format "$FP8_FORMAT" --fp8-recipe "$FP8_RECIPE")
 
     # Tensor (and sequence) and pipeline parallelism.
     MODEL_PARALLEL_ARGS=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP")

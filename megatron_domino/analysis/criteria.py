@@ -2,7 +2,7 @@
 
 Pure functions of the :class:`~megatron_domino.analysis.spans.CollectiveSpan` s of one recorded
 forward and backward, shared by the overlap tests' criteria and
-``python -m lab.gpu_check``. They are orderings, not timings, so they hold on any
+the GPU check (from a checkout, ``make gpu-check``). They are orderings, not timings, so they hold on any
 machine load and with CPU wall-clock or CUDA-event times alike.
 
 Counts, per layer (collective names end in ``_ar``, ``_ag``, ``_rs`` or ``_regather``):

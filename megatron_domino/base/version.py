@@ -49,7 +49,7 @@ TE_MIN_VERSION = Version("2.18.0")
 #: backend of its extension (``tests/te_cpu``): 2.18.0 in ``make test``, 2.20.2 in ``make
 #: test-te TE=2.20.2`` (2026-12-03). ``pyproject.toml``'s ``gpu`` extra declares this range
 #: (``tests/runs/test_version.py`` keeps them equal); kernels, cuDNN attention and NCCL are a
-#: GPU's to decide (``python -m lab.gpu_check``).
+#: GPU's to decide (from a checkout, ``make gpu-check``).
 TESTED_TRANSFORMER_ENGINE = SpecifierSet(f">={TE_MIN_VERSION},<2.21")
 
 
@@ -61,6 +61,13 @@ TESTED_TRANSFORMER_ENGINE = SpecifierSet(f">={TE_MIN_VERSION},<2.21")
 ALLOW_UNTESTED_ENV = "MEGATRON_DOMINO_ALLOW_UNTESTED_MEGATRON"
 
 
+#: Set to 1 to run on a Transformer Engine newer than :data:`TESTED_TRANSFORMER_ENGINE`
+#: anyway, with one warning instead of the refusal: as explicit as
+#: :data:`ALLOW_UNTESTED_ENV`, for the same reason (Domino reads TE's private quantizer slots
+#: and FP8 weight cache, which a newer TE may lay out differently).
+ALLOW_UNTESTED_TE_ENV = "MEGATRON_DOMINO_ALLOW_UNTESTED_TE"
+
+
 class UnsupportedMegatronVersion(RuntimeError):
     """Raised when the imported Megatron-Core is outside :data:`TESTED_MEGATRON_CORE`."""
 
@@ -68,6 +75,11 @@ class UnsupportedMegatronVersion(RuntimeError):
 class UntestedMegatronCoreWarning(UserWarning):
     """Issued (once per process) when :data:`ALLOW_UNTESTED_ENV` lets an untested, newer
     Megatron-Core run."""
+
+
+class UntestedTransformerEngineWarning(UserWarning):
+    """Issued (once per process) when :data:`ALLOW_UNTESTED_TE_ENV` lets an untested, newer
+    Transformer Engine run."""
 
 
 def imported_megatron_core_version() -> Version:
@@ -136,20 +148,20 @@ def check_megatron_core_version(found: Version | None = None) -> Version:
     )
 
 
-def _untested_allowed() -> bool:
-    """Whether :data:`ALLOW_UNTESTED_ENV` opts in: ``1`` yes; unset, empty or ``0`` no;
-    anything else is refused, so that a typo (``true``, ``yes``) is not read either way."""
-    value = os.environ.get(ALLOW_UNTESTED_ENV, "")
+def _untested_allowed(variable: str = ALLOW_UNTESTED_ENV, what: str = "Megatron-Core") -> bool:
+    """Whether ``variable`` opts in: ``1`` yes; unset, empty or ``0`` no; anything else is
+    refused, so that a typo (``true``, ``yes``) is not read either way."""
+    value = os.environ.get(variable, "")
     if value not in ("", "0", "1"):
         raise UnsupportedMegatronVersion(
-            f"{ALLOW_UNTESTED_ENV}={value!r}: set it to 1 to run an untested Megatron-Core, "
-            "or unset it."
+            f"{variable}={value!r}: set it to 1 to run an untested {what}, or unset it."
         )
     return value == "1"
 
 
 def check_transformer_engine_version() -> None:
-    """Raise unless the installed Transformer Engine is at least :data:`TE_MIN_VERSION`.
+    """Raise unless the installed Transformer Engine is in :data:`TESTED_TRANSFORMER_ENGINE`,
+    or is newer and :data:`ALLOW_UNTESTED_TE_ENV` is 1 (then warn, once per process).
 
     Without TE nothing is checked: Megatron's TE layers cannot be built then. (Megatron-Core
     0.19's ``get_te_version`` reports ``0.0.0`` when TE does not import, hence ``HAVE_TE``.)
@@ -159,7 +171,8 @@ def check_transformer_engine_version() -> None:
     TE layers.
 
     Raises:
-        DominoUnsupportedError: an older TE, with the version found and the fix.
+        DominoUnsupportedError: a TE outside the tested range, with the version found and the
+            fix.
     """
     from megatron.core.extensions.transformer_engine import HAVE_TE
     from megatron.core.utils import get_te_version
@@ -176,3 +189,22 @@ def check_transformer_engine_version() -> None:
             f"Install it (`pip install 'transformer-engine[pytorch]>={TE_MIN_VERSION}'`, or "
             "megatron-domino's gpu extra), or use --transformer-impl local."
         )
+    if Version(found.public) in TESTED_TRANSFORMER_ENGINE:
+        return
+    if _untested_allowed(ALLOW_UNTESTED_TE_ENV, "Transformer Engine"):
+        warnings.warn(
+            f"Transformer Engine {found} is untested with megatron-domino (tested: "
+            f"{TESTED_TRANSFORMER_ENGINE}); running anyway because {ALLOW_UNTESTED_TE_ENV}=1. "
+            "Domino reads TE's private quantizer slots and FP8 weight cache: compare the losses "
+            "with a run without --domino before trusting it.",
+            UntestedTransformerEngineWarning,
+            stacklevel=1,  # this line's location: Python's default filter shows it once
+        )
+        return
+    raise DominoUnsupportedError(
+        f"Transformer Engine {found} is newer than the releases megatron-domino is tested with "
+        f"({TESTED_TRANSFORMER_ENGINE}). Domino reads TE's private quantizer slots and FP8 "
+        "weight cache, which a newer TE may lay out differently (wrong gradients, no error). "
+        f"Install a tested release (`pip install 'transformer-engine[pytorch]{TESTED_TRANSFORMER_ENGINE}'`), "
+        f"or set {ALLOW_UNTESTED_TE_ENV}=1 to run it anyway with one warning."
+    )

@@ -30,6 +30,7 @@ import pytest
 from megatron.core.models.common.embeddings import rope_utils
 from megatron.training import arguments as megatron_arguments
 
+from megatron_domino.refusals import _FP8_RECIPES_RUN
 from megatron_domino.training import loop_hooks
 from megatron_domino.training import pretrain as entry
 from megatron_domino.training.gpt_steps import unsupported_flags
@@ -190,6 +191,17 @@ def test_fp8_and_local_layer_knobs_reach_the_flags(monkeypatch):
     args = accepted(flags, world_size=8, monkeypatch=monkeypatch)
     assert args.transformer_impl == "transformer_engine" and args.sequence_parallel
     assert args.fp8 == "hybrid" and args.fp8_recipe == "delayed" and args.domino
+    for recipe in sorted(_FP8_RECIPES_RUN):  # FP8_RECIPE: every recipe Domino runs
+        done = run_script(
+            SCRIPTS["srun"], MODEL="llama3-8b", MOCK="1", DOMINO="1", FP8_FORMAT="hybrid",
+            FP8_RECIPE=recipe,
+        )  # fmt: skip
+        [(_, flags)] = launches(done.stdout)
+        assert accepted(flags, world_size=8, monkeypatch=monkeypatch).fp8_recipe == recipe
+    refused = run_script(
+        SCRIPTS["srun"], check=False, MOCK="1", DOMINO="1", FP8_FORMAT="hybrid", FP8_RECIPE="mxfp8"
+    )
+    assert refused.returncode == 1 and "FP8_RECIPE=mxfp8 must be delayed" in refused.stderr
     # Megatron-Core's own layers on request: then no sequence parallelism unless asked.
     done = run_script(SCRIPTS["srun"], MOCK="1", DOMINO="1", TRANSFORMER_IMPL="local")
     [(_, flags)] = launches(done.stdout)

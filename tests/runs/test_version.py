@@ -18,11 +18,13 @@ from packaging.version import Version
 from megatron_domino.base.config import DominoUnsupportedError
 from megatron_domino.base.version import (
     ALLOW_UNTESTED_ENV,
+    ALLOW_UNTESTED_TE_ENV,
     PINNED_MEGATRON_CORE,
     TE_MIN_VERSION,
     TESTED_MEGATRON_CORE,
     TESTED_TRANSFORMER_ENGINE,
     UnsupportedMegatronVersion,
+    UntestedTransformerEngineWarning,
     check_megatron_core_version,
     check_transformer_engine_version,
 )
@@ -150,19 +152,33 @@ def test_the_package_declares_the_tested_ranges_and_make_pins_the_release():
 @pytest.mark.parametrize(
     ("found", "accepted"),
     [("1.13.0", False), ("2.17.1", False), ("2.18.0", True), ("2.18.0+8f3c2a1", True),
-     ("2.20.0.dev0", True)],
+     ("2.20.0.dev0", True), ("2.20.2", True), ("2.21.0", False), ("3.0.0", False)],
 )  # fmt: skip
-def test_transformer_engine_older_than_the_modelled_release_is_refused(
-    monkeypatch, found, accepted
-):
-    """The TE floor is the release whose saved tensors and caches Domino models (v2.18)."""
+def test_transformer_engine_outside_the_tested_range_is_refused(monkeypatch, found, accepted):
+    """The TE floor is the release whose saved tensors and caches Domino models (v2.18); the
+    ceiling is the last release the TE tests ran (2.20), refused above it (a faked 2.21.0)."""
     monkeypatch.setattr(megatron_te, "HAVE_TE", True)
     monkeypatch.setattr(megatron_utils, "get_te_version", lambda: Version(found))
+    monkeypatch.delenv(ALLOW_UNTESTED_TE_ENV, raising=False)
     assert Version("2.18.0") == TE_MIN_VERSION
     if accepted:
         check_transformer_engine_version()
         return
-    with pytest.raises(DominoUnsupportedError, match=f"found {re.escape(found)}"):
+    message = (
+        f"found {re.escape(found)}" if Version(found) < TE_MIN_VERSION else f"{found} is newer"
+    )
+    with pytest.raises(DominoUnsupportedError, match=message):
+        check_transformer_engine_version()
+
+
+def test_a_newer_transformer_engine_runs_with_one_warning_when_asked(monkeypatch):
+    monkeypatch.setattr(megatron_te, "HAVE_TE", True)
+    monkeypatch.setattr(megatron_utils, "get_te_version", lambda: Version("2.21.0"))
+    monkeypatch.setenv(ALLOW_UNTESTED_TE_ENV, "1")
+    with pytest.warns(UntestedTransformerEngineWarning, match="2.21.0 is untested"):
+        check_transformer_engine_version()
+    monkeypatch.setenv(ALLOW_UNTESTED_TE_ENV, "yes")
+    with pytest.raises(UnsupportedMegatronVersion, match="set it to 1"):
         check_transformer_engine_version()
 
 

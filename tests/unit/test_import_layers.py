@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("lab.analysis",),  # Domino against stock, host time, capture safety
     ("lab.models",),  # a GPTModel from a few options; the GPU check's models
     ("lab.launch",),  # N gloo ranks, a script on ranks forked from a preloaded server
+    ("megatron_domino.harness",),  # moved: aliases of the old paths, for one release
     ("megatron_domino.tools",),  # the user commands: demo, A/B report
     ("megatron_domino.training",),  # the entry point, its loop hooks, the patch's API
     ("megatron_domino.analysis",),  # --domino-report

@@ -1,0 +1,5 @@
+"""Moved to :mod:`megatron_domino.specs.cpu_specs`: an alias for one release (:mod:`megatron_domino.base.moved`)."""
+
+from megatron_domino.base.moved import redirect
+
+redirect(__name__)
