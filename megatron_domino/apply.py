@@ -24,11 +24,13 @@ from megatron.core.transformer.transformer_block import TransformerBlock
 from megatron_domino.base.config import DominoConfig, DominoUnsupportedError
 from megatron_domino.base.recorder import NULL_RECORDER, NullRecorder
 from megatron_domino.base.version import check_megatron_core_version
+from megatron_domino.communication.te_fp8_inputs import casts_reduce_amax
 from megatron_domino.engine.block import domino_block_forward
 from megatron_domino.engine.output_head import chunk_logits
 from megatron_domino.engine.state import DominoRuntime
 from megatron_domino.plan import LAYER_PLAN, layer_forward, model_end_forwards
 from megatron_domino.refusals import model_problems, raise_problems, sharded_problems
+from megatron_domino.runtime.amax_group import amax_reduction_group
 
 __all__ = ["DominoHandle", "apply_domino"]
 
@@ -98,6 +100,8 @@ def apply_domino(
 
     tp_group = block.layers[0].self_attention.linear_proj.tp_group
     runtime = DominoRuntime(config, tp_group, recorder, block.config.sequence_parallel)
+    if casts_reduce_amax(block.config):
+        runtime.amax_group = amax_reduction_group(tp_group)
     block.forward = functools.partial(_block_forward, block, runtime=runtime)
     patched = [block]
     for layer in block.layers:

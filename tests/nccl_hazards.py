@@ -13,7 +13,13 @@ finish before the caller looks, which hides all three. :class:`NcclHazards` make
   version counter changed in between, or an in-place collective's buffer written while in
   flight (no longer all poison), is a violation;
 * **unwaited handles listed at the end of a step** (:meth:`NcclHazards.end_step`), with the
-  file and line that launched them.
+  file and line that launched them;
+* **one queue per communicator**: NCCL runs the collectives of one communicator in the order
+  they were issued, so a blocking collective issued while async ones are in flight on the same
+  group (Transformer Engine's amax all-reduce of a current-scaling cast, ``->wait()``) waits
+  for all of them: the overlap they were launched for is serialised. Here such a call waits
+  for the earlier ones' real collectives first and is listed (:attr:`StepHazards.serialised`),
+  with the file and line that issued it and how many it queued behind.
 
 The caller's buffers are written through ``.data``, as NCCL writes them behind autograd's
 back: no version counter moves. Wrapped, in ``torch.distributed`` and in every already-imported
@@ -73,6 +79,8 @@ class StepHazards:
     launches: Counter = field(default_factory=Counter)
     unwaited: list[str] = field(default_factory=list)
     violations: list[str] = field(default_factory=list)
+    #: Blocking collectives issued on a group with async ones in flight (queued behind them).
+    serialised: list[str] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
@@ -122,8 +130,9 @@ class _Launch:
     caller's outputs and the private tensors the real collective writes instead.
     """
 
-    def __init__(self, hazards, name, site, work, inputs, outputs, private):
+    def __init__(self, hazards, name, site, work, inputs, outputs, private, group):
         self.hazards, self.name, self.site, self.work = hazards, name, site, work
+        self.group = group
         #: (argument, caller's tensor, its values at launch, its version after the poison)
         self.inputs = [(a, t, snapshot, t._version) for a, t, snapshot in inputs]
         self.outputs = list(zip(outputs, private, strict=True))
@@ -190,7 +199,10 @@ class NcclHazards:
         @functools.wraps(collective)
         def wrapper(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
-            if not bound.arguments.get("async_op") or getattr(self._inside, "on", False):
+            if getattr(self._inside, "on", False):
+                return collective(*args, **kwargs)
+            if not bound.arguments.get("async_op"):
+                self._queue_behind_in_flight(name, bound.arguments.get("group"))
                 return collective(*args, **kwargs)
             self._inside.on = True
             try:
@@ -221,11 +233,23 @@ class NcclHazards:
         work = collective(**real)
         for tensor in outputs:
             _poison(tensor)
-        launch = _Launch(self, name, site, work, inputs, outputs, private)
+        launch = _Launch(self, name, site, work, inputs, outputs, private, _group_key(real))
         with self._lock:
             self._step.launches[package] += 1
             self._in_flight.append(launch)
         return launch
+
+    def _queue_behind_in_flight(self, name: str, group) -> None:
+        """A blocking collective on ``group``: as on one NCCL communicator, it completes only
+        after every async collective issued before it on that group; listed when there were."""
+        key = _group_key({"group": group})
+        with self._lock:
+            ahead = [launch for launch in self._in_flight if launch.group == key]
+            if ahead:
+                _, site = _caller()
+                self._step.serialised.append(f"{site}: {name} behind {len(ahead)} in flight")
+        for launch in ahead:
+            launch.work.wait()
 
     def _finish(self, launch: _Launch) -> None:
         _, output_names = COLLECTIVES[launch.name]
@@ -244,3 +268,9 @@ class NcclHazards:
             if launch in self._in_flight:
                 self._in_flight.remove(launch)
             self._step.violations += [f"{launch.site}: {launch.name}: {p}" for p in problems]
+
+
+def _group_key(arguments: dict):
+    """The communicator a collective runs on: its ``group`` (``None``: the default group's)."""
+    group = arguments.get("group")
+    return id(group if group is not None else dist.group.WORLD)

@@ -109,12 +109,15 @@ class _ScatterLaunch(torch.autograd.Function):
 
 class _ScatterWait(torch.autograd.Function):
     """Forward: wait for the reduce-scatter (``[s/tp, ...]``); backward: launch the dY gather
-    (in FP8 with ``grad_quantizer`` when given), then ``then`` (the re-gather of the chunk's
-    column-linear input, if any)."""
+    (in FP8 with ``grad_quantizer`` when given, a current-scaling cast's amax reduced over
+    ``amax_group``), then ``then`` (the re-gather of the chunk's column-linear input, if any)."""
 
     @staticmethod
-    def forward(ctx, in_flight: torch.Tensor, slot: SequenceCollective, then, grad_quantizer):
+    def forward(
+        ctx, in_flight: torch.Tensor, slot: SequenceCollective, then, grad_quantizer, amax_group
+    ):
         ctx.slot, ctx.then, ctx.grad_quantizer = slot, then, grad_quantizer
+        ctx.amax_group = amax_group
         return slot.wait().view_as(in_flight)
 
     @staticmethod
@@ -125,11 +128,11 @@ class _ScatterWait(torch.autograd.Function):
         if quantizer is None:
             ctx.slot.all_gather(grad_shard, "bwd")
         else:
-            quantized = quantize_shard(quantizer, grad_shard, ctx.slot.group)
+            quantized = quantize_shard(quantizer, grad_shard, ctx.amax_group)
             ctx.slot.all_gather_quantized(quantized, quantizer, "bwd")
         if ctx.then is not None:
             ctx.then()
-        return grad_shard, None, None, None
+        return grad_shard, None, None, None, None
 
 
 def launch_gather(shard, slot, quantized=None, quantizer=None):
@@ -149,7 +152,10 @@ def launch_scatter(partial, slot):
     return _ScatterLaunch.apply(partial, slot)
 
 
-def wait_scatter(in_flight, slot, then: Callable[[], None] | None = None, grad_quantizer=None):
+def wait_scatter(
+    in_flight, slot, then: Callable[[], None] | None = None, grad_quantizer=None, amax_group=None
+):
     """Next norm op: the reduced shard ``[s/tp, b/p, h/k]``; ``then`` runs in backward right
-    after the dY gather is launched (an FP8 gather when ``grad_quantizer`` is given)."""
-    return _ScatterWait.apply(in_flight, slot, then, grad_quantizer)
+    after the dY gather is launched (an FP8 gather when ``grad_quantizer`` is given, its cast's
+    amax reduced over ``amax_group`` under current scaling)."""
+    return _ScatterWait.apply(in_flight, slot, then, grad_quantizer, amax_group)

@@ -46,12 +46,22 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "casts_reduce_amax",
     "fp8_grad_output_quantizer",
     "fp8_input_quantizer",
     "quantize_shard",
     "quantized_gather",
     "quantized_norm_output",
 ]
+
+
+def casts_reduce_amax(config) -> bool:
+    """Whether a model with TransformerConfig ``config`` runs gathered casts that reduce their
+    amax over the TP ranks: FP8 current scaling (``--fp8-recipe tensorwise``) under sequence
+    parallelism. Those reductions run on a group of their own
+    (:mod:`megatron_domino.runtime.amax_group`), which callers pass to
+    :func:`quantized_norm_output` and :func:`quantize_shard`."""
+    return bool(config.fp8) and config.fp8_recipe == "tensorwise" and config.sequence_parallel
 
 
 def fp8_input_quantizer(module: torch.nn.Module):
@@ -91,10 +101,11 @@ def _gathered_cast(quantizer, group: dist.ProcessGroup | None = None) -> Iterato
     only where TE's all-gather takes row-wise bits only (per-tensor scaling: the transpose is
     made after the gather) and both buffers otherwise (block scaling: 1 x 128 tiles along the
     tokens cannot be made from the row-wise bits, so TE gathers both), and for a current-scaling
-    quantizer, given the TP ``group``, the amax reduced over it (TE's
-    ``set_quantizer_amax_reduction_group`` for a column linear's input or a row linear's output
-    gradient under SP): every rank casts its shard with one scale, so the gathered tensor has
-    one. Delayed scaling's scale is the same on every rank already."""
+    quantizer, given ``group`` (the TP ranks' amax group, :mod:`megatron_domino.runtime.amax_group`),
+    the amax reduced over it, as TE's ``set_quantizer_amax_reduction_group`` reduces it over the
+    TP group for a column linear's input or a row linear's output gradient under SP: every rank
+    casts its shard with one scale, so the gathered tensor has one. Delayed scaling's scale is
+    the same on every rank already."""
     saved = quantizer.internal, quantizer.rowwise_usage, quantizer.columnwise_usage
     reduces = group is not None and hasattr(quantizer, "with_amax_reduction")
     if reduces:
@@ -111,24 +122,39 @@ def _gathered_cast(quantizer, group: dist.ProcessGroup | None = None) -> Iterato
             quantizer.with_amax_reduction, quantizer.amax_reduction_group = reduction
 
 
-def quantize_shard(quantizer, shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """``shard`` ``[s/tp, b/p, h]`` cast to FP8 for a gather over ``group`` (the buffers that
-    gather takes, :func:`_gathered_cast`), as a tensor subclass (no autograd: the gradient
-    reaches ``shard`` through Domino's gather nodes)."""
-    with torch.no_grad(), _gathered_cast(quantizer, group):
+def _amax_group(quantizer, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``group``, checked: a current-scaling ``quantizer`` reduces its amax, and must be told
+    over which group (never the TP group, where Domino's collectives are in flight)."""
+    if group is None and hasattr(quantizer, "with_amax_reduction"):
+        raise RuntimeError(
+            "Domino bug: a current-scaling FP8 cast needs the runtime's amax group "
+            "(megatron_domino.runtime.amax_group); none was made for this model."
+        )
+    return group
+
+
+def quantize_shard(
+    quantizer, shard: torch.Tensor, amax_group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """``shard`` ``[s/tp, b/p, h]`` cast to FP8 for a gather over the TP group (the buffers
+    that gather takes, :func:`_gathered_cast`; a current-scaling cast's amax reduced over
+    ``amax_group``), as a tensor subclass (no autograd: the gradient reaches ``shard`` through
+    Domino's gather nodes)."""
+    with torch.no_grad(), _gathered_cast(quantizer, _amax_group(quantizer, amax_group)):
         return quantizer(shard)
 
 
 def quantized_norm_output(
-    norm: torch.nn.Module, hidden: torch.Tensor, quantizer, group: dist.ProcessGroup
+    norm: torch.nn.Module, hidden: torch.Tensor, quantizer, amax_group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """TE norm ``norm`` (Megatron's ``TENorm``, a TE ops module) on ``hidden`` ``[s/tp, b/p, h]``,
     its fp32 result cast to FP8 by ``quantizer`` in the norm kernel (one rounding, as the fused
-    module's norm), for a gather over ``group``: a row-wise ``Float8Tensor``, no autograd (the
-    module's own call carries the gradient)."""
+    module's norm), for a gather over the TP group (a current-scaling cast's amax reduced over
+    ``amax_group``): a row-wise ``Float8Tensor``, no autograd (the module's own call carries
+    the gradient)."""
     from transformer_engine.pytorch.ops.op import OperationContext
 
-    with torch.no_grad(), _gathered_cast(quantizer, group):
+    with torch.no_grad(), _gathered_cast(quantizer, _amax_group(quantizer, amax_group)):
         return norm.op_forward(OperationContext(requires_grad=False), hidden, None, quantizer)
 
 

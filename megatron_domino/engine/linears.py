@@ -101,6 +101,7 @@ def row_projection(
         pending.launch(partial)
     if scatter:
         pending.grad_quantizer = fp8_grad_output_quantizer(module)
+        pending.amax_group = runtime.amax_group
     return pending, returned_bias
 
 

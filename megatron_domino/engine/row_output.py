@@ -128,6 +128,8 @@ class PendingReduce:
         grad_quantizer: under ``scatter``, the FP8 quantizer of a Transformer Engine row
             linear's output gradient: the backward all-gather of that gradient then moves FP8
             bits, as stock TE gathers it (:mod:`megatron_domino.communication.te_fp8_inputs`).
+        amax_group: where that cast reduces its amax under current scaling
+            (:mod:`megatron_domino.runtime.amax_group`).
     """
 
     group: dist.ProcessGroup
@@ -135,6 +137,7 @@ class PendingReduce:
     bias: torch.Tensor | None = None
     scatter: bool = False
     grad_quantizer: object = None
+    amax_group: dist.ProcessGroup | None = None
     _pieces: list[tuple[ForwardAllReduce | SequenceCollective, torch.Tensor]] = field(
         default_factory=list, init=False, repr=False
     )
@@ -182,7 +185,9 @@ class PendingReduce:
             if self.scatter:
                 # Piece 0's twin is the last of the pieces' to run in backward.
                 then = then_in_backward if index == 0 else None
-                outputs.append(wait_scatter(in_flight, slot, then, self.grad_quantizer))
+                outputs.append(
+                    wait_scatter(in_flight, slot, then, self.grad_quantizer, self.amax_group)
+                )
             else:
                 slot.finish()
                 outputs.append(in_flight)

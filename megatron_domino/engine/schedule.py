@@ -275,7 +275,7 @@ class LayerOps:
             quantized = (
                 None
                 if quantizer is None
-                else quantized_norm_output(norm, hidden, quantizer, runtime.tp_group)
+                else quantized_norm_output(norm, hidden, quantizer, runtime.amax_group)
             )
             if grad:
                 label = CollectiveLabel(

@@ -155,6 +155,9 @@ class DominoRuntime:
         self.sequence_parallel = sequence_parallel
         self.step: StepState | None = None
         self.last_step: StepState | None = None
+        #: Where current-scaling FP8 casts reduce their amax (tensorwise + SP on TE layers;
+        #: :mod:`megatron_domino.runtime.amax_group`), else ``None``.
+        self.amax_group: dist.ProcessGroup | None = None
         self.head_overlap = False
         self.chunk_logits: Callable[[DominoRuntime, ChunkState], None] | None = None
         self.head_handoff: HeadHandoff | None = None

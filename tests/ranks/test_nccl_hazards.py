@@ -131,6 +131,19 @@ def _contract() -> dict:
         synchronous = torch.ones(2)
         dist.all_reduce(synchronous)
         found["synchronous"] = (synchronous.tolist(), hazards.end_step("synchronous"))
+
+        # One queue per communicator: a blocking all-reduce behind an async one on the same
+        # group is serialised; on another group over the same ranks it is not.
+        in_flight = torch.ones(2)
+        work = dist.all_reduce(in_flight, async_op=True)
+        dist.all_reduce(torch.ones(1))
+        behind_default = hazards.end_step("behind")
+        work.wait()
+        other = dist.new_group(ranks=[0, 1])
+        work = dist.all_reduce(in_flight, async_op=True)
+        dist.all_reduce(torch.ones(1), group=other)
+        work.wait()
+        found["fifo"] = (behind_default, hazards.end_step("another group"))
     found["restored"] = dist.all_reduce is original
     return found
 
@@ -150,6 +163,10 @@ def test_the_wrapper_makes_each_hazard_show():
     assert unwaited.endswith("in _contract: all_reduce"), unwaited
     values, synchronous = found["synchronous"]
     assert values == [2.0, 2.0] and synchronous.clean and not synchronous.launches
+    behind, elsewhere = found["fifo"]
+    (serialised,) = behind.serialised
+    assert serialised.endswith("in _contract: all_reduce behind 1 in flight"), serialised
+    assert not elsewhere.serialised
     assert found["installed"] and found["restored"]
 
 
@@ -163,6 +180,7 @@ def _row(hazards: NcclHazards, label: str, result, reference) -> dict:
         launches=dict(step.launches),
         unwaited=step.unwaited,
         violations=step.violations,
+        serialised=step.serialised,
         mismatches=mismatches(result, reference, TOLERANCE)[:3],
         loss_finite=loss_finite,
     )
@@ -260,6 +278,7 @@ def test_every_setting_keeps_the_contract(tp2):
     assert expected <= set(rows)
     for key, row in rows.items():
         assert not row["unwaited"] and not row["violations"], (key, row)
+        assert not row["serialised"], (key, row)  # nothing blocking on a busy communicator
         assert not row["mismatches"] and row["loss_finite"], (key, row)
     for variant, name in expected:
         launches = rows[(variant, name)]["launches"]
