@@ -253,10 +253,10 @@ synthetic data."
     TRANSFORMER_IMPL=${TRANSFORMER_IMPL:-$( ((CPU)) && echo local || echo transformer_engine)}
     [[ $TRANSFORMER_IMPL == local || $TRANSFORMER_IMPL == transformer_engine ]] ||
         recipe_die "TRANSFORMER_IMPL=$TRANSFORMER_IMPL must be transformer_engine or local."
-    # Megatron-Core 0.19's distributed optimizer saves without Apex or Transformer Engine but
-    # cannot resume (torch's Adam has no state before its first step, and the load asserts
-    # on it), so a CPU run that was stopped, requeued or restarted could never continue.
-    DISTRIBUTED_OPTIMIZER=${DISTRIBUTED_OPTIMIZER:-$( ((CPU)) && echo 0 || echo 1)}
+    # The distributed optimizer, as Megatron-LM's GPU recipes run it, also with CPU=1: without
+    # Apex or Transformer Engine its resume needs the CPU runtime's patches of its load
+    # (megatron_domino/training/loop_runtime.py), which pretrain_gpt_domino.py applies.
+    DISTRIBUTED_OPTIMIZER=${DISTRIBUTED_OPTIMIZER:-1}
     OVERLAP_GRAD_REDUCE=${OVERLAP_GRAD_REDUCE:-1}
     # With TE layers Domino overlaps the backward collectives under sequence parallelism only
     # (without it TE keeps its own input-gradient all-reduce), so SP is on with TE by default.

@@ -180,11 +180,12 @@ def _root_cause(err: BaseException) -> BaseException:
 #: Engine, and what to do instead (see :func:`_distributed_optimizer_without_fused_adam`).
 _DISTRIBUTED_OPTIMIZER_FIX = (
     "Megatron-Core's distributed optimizer cannot resume without Apex or Transformer Engine "
-    "(here, e.g. on the CPU, it falls back to torch's Adam, whose state is empty until the "
-    "first step, and its state_dict asserts on that before loading): the flags are not the "
-    "problem. Resume where Apex or Transformer Engine is installed, or start a new run "
-    "(another --save/--load directory) without --use-distributed-optimizer (the recipes in "
-    "examples/: DISTRIBUTED_OPTIMIZER=0, the default with CPU=1)."
+    "(it then falls back to torch's Adam, whose state is empty until the first step, and its "
+    "state_dict asserts on that before loading; pretrain_gpt_domino.py's CPU runtime patches "
+    "that load on a machine without CUDA, not on a GPU one): the flags are not the problem. "
+    "Resume where Apex or Transformer Engine is installed, or start a new run (another "
+    "--save/--load directory) without --use-distributed-optimizer (the recipes in examples/: "
+    "DISTRIBUTED_OPTIMIZER=0)."
 )
 
 

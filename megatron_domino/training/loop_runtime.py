@@ -32,6 +32,26 @@ rank that dies of an exception keeps its data iterators referenced from the trac
 forever. torchrun SIGKILLs it 30 s later; without torchrun it hangs. :func:`megatron_loop_runtime`
 registers :func:`_kill_daemonic_children` to run first at exit, with SIGKILL.
 
+And one on the CPU only so that a ``--use-distributed-optimizer`` run resumes: without Apex or
+Transformer Engine Megatron-Core 0.19's distributed optimizer runs torch's Adam, whose state
+(``exp_avg``, ``exp_avg_sq``, ``step``) does not exist before its first step, and loading a
+checkpoint first calls ``DistributedOptimizer.state_dict``, which asserts that the state's
+steps agree (``distrib_optimizer.py:838-840``, no steps at all). :data:`CPU_LOOP_PATCHES` makes
+that state before ``state_dict`` reads it (:func:`start_torch_adam_state`): the zeros and step 0
+torch's Adam would make at its first step, so a run that loads nothing trains as before, and a
+resumed one has the loaded values in them. The load then copies the saved parameter state into
+the optimizer's fp32 main parameters, which for fp32 weights are views of the model's own
+(``requires_grad``) parameters (``distrib_optimizer.py:466-469``), in place and outside
+``torch.no_grad`` for the ``dp_reshardable`` format Megatron-LM saves (``:2061``, where the
+other formats' loaders are decorated with it, ``:2095``): autograd refuses that, so the patch
+runs ``load_state_dict`` under ``torch.no_grad`` (a load computes nothing to differentiate).
+Last, that load puts the saved step count (kept in the parameter groups) into one ``step``
+tensor shared by every parameter's state (``distrib_optimizer.py:1027-1031``), and then copies
+the parameter state over it, a ``step`` entry included, which the saved bucket buffers do not
+hold as the step count (a resumed run's Adam started again from step 0: its second step
+differed from the uninterrupted run's). After the load the patch gives each parameter's state
+its own ``step``, the count the parameter groups were saved with.
+
 And one on the CPU only, for correctness rather than to avoid a crash: the DataLoader draws
 its base seed from the CPU generator, which on the CPU is also the "CUDA" generator dropout
 draws from, so creating the data iterators would shift dropout's stream by a resume-dependent
@@ -55,6 +75,7 @@ from multiprocessing.managers import SyncManager
 import torch
 from megatron.core.datasets import utils as datasets_utils
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.optimizer import distrib_optimizer
 from megatron.training import arguments as megatron_arguments
 from megatron.training import training as megatron_training
 
@@ -64,6 +85,7 @@ from megatron_domino.training.signal_shield import shield_from_job_signals
 
 __all__ = [
     "CPU_LOOP_PATCHES",
+    "start_torch_adam_state",
     "WHEEL_PATCHES",
     "megatron_loop_runtime",
     "start_write_results_queue",
@@ -133,6 +155,60 @@ def _with_cpu_generator_forked(build):
     return wrapper
 
 
+def start_torch_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a torch ``Adam``/``AdamW`` that has not stepped the state its first step would make
+    (``step`` 0, ``exp_avg`` and ``exp_avg_sq`` zeros, ``max_exp_avg_sq`` with ``amsgrad``), in
+    the dtype and layout torch's Adam makes them; a no-op for any other optimizer and for
+    parameters that have state."""
+    if not isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW):
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if state:
+                continue
+            step_dtype = (
+                torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+            )
+            state["step"] = torch.tensor(0.0, dtype=step_dtype)
+            names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+            for name in names:
+                state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+_distributed_optimizer_state_dict = distrib_optimizer.DistributedOptimizer.state_dict
+
+
+def _state_dict_with_adam_state(self) -> dict:
+    """``DistributedOptimizer.state_dict`` once its torch Adam has state (module docstring)."""
+    if not distrib_optimizer.HAVE_APEX_OR_TE:
+        start_torch_adam_state(self.optimizer)
+    return _distributed_optimizer_state_dict(self)
+
+
+_distributed_optimizer_load_state_dict = distrib_optimizer.DistributedOptimizer.load_state_dict
+
+
+def _load_state_dict_without_grad(self, state_dict: dict) -> None:
+    """``DistributedOptimizer.load_state_dict`` under ``torch.no_grad``, then each parameter's
+    ``step`` its own tensor holding the saved count (module docstring)."""
+    with torch.no_grad():
+        _distributed_optimizer_load_state_dict(self, state_dict)
+    if distrib_optimizer.HAVE_APEX_OR_TE or not isinstance(
+        self.optimizer, torch.optim.Adam | torch.optim.AdamW
+    ):
+        return
+    steps = {group["step"] for group in state_dict["optimizer"]["param_groups"] if "step" in group}
+    if len(steps) != 1:
+        raise RuntimeError(
+            f"the distributed optimizer's saved step counts disagree: {sorted(steps)}"
+        )
+    (step,) = steps
+    for state in self.optimizer.state.values():
+        if "step" in state:
+            state["step"] = torch.tensor(float(step), dtype=state["step"].dtype)
+
+
 #: Needed wherever Megatron-LM's loop runs from the wheel, GPU or not.
 WHEEL_PATCHES: tuple[Patch, ...] = (
     Patch(
@@ -172,6 +248,20 @@ CPU_LOOP_PATCHES: tuple[Patch, ...] = (
         "DDP wrapping waits for the default stream (training.py:1877, 1896).",
     ),
     Patch(torch.cuda, "stream", _null_stream_context, "DDP wrapping runs in a stream context."),
+    Patch(
+        distrib_optimizer.DistributedOptimizer,
+        "state_dict",
+        _state_dict_with_adam_state,
+        "a resume's load calls it before torch's Adam has state; it asserts on the steps "
+        "(distrib_optimizer.py:838-840).",
+    ),
+    Patch(
+        distrib_optimizer.DistributedOptimizer,
+        "load_state_dict",
+        _load_state_dict_without_grad,
+        "it copies into fp32 main params, views of requires_grad parameters, outside no_grad "
+        "(distrib_optimizer.py:2061).",
+    ),
     Patch(
         megatron_training,
         "build_train_valid_test_data_iterators",

@@ -20,7 +20,8 @@ trains, watching its ``--log-json`` file and checkpoint folder and signalling it
      ranks save at the iteration they are in and exit with status 0; the same command, run
      again, continues from there.
 
-* TP = 2 x DP = 2 (:func:`test_tp2_dp2_killed_rank_restarts_exactly_and_sigterm_through_torchrun_saves`):
+* TP = 2 x DP = 2 with the distributed optimizer (Adam's state sharded over the two replicas,
+  :func:`test_tp2_dp2_killed_rank_restarts_exactly_and_sigterm_through_torchrun_saves`):
   ``kill -9`` of a rank of the second data-parallel replica, then SIGTERM to torchrun itself
   and everything under it (the ``srun torchrun`` recipe): torchrun forwards it, and the ranks
   save before torchrun's 30 s grace ends.
@@ -72,12 +73,13 @@ COMMON = [
     "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
     "--domino",
 ]  # fmt: skip
-#: layout -> (ranks, flags); DP is what the ranks leave over TP. Plain DDP at DP = 2: resuming
-#: --use-distributed-optimizer needs Apex or Transformer Engine (Megatron-Core 0.19's
-#: distrib_optimizer.py:839 finds torch Adam's state empty at load), which the CPU lacks.
+#: layout -> (ranks, flags); DP is what the ranks leave over TP. At DP = 2 the distributed
+#: optimizer, the GPU recipes' default, shards Adam's state over the two replicas; it resumes on
+#: the CPU through the runtime's patches of its load (megatron_domino/training/loop_runtime.py:
+#: torch's Adam has no state to check before its first step, and the load lost the step count).
 LAYOUTS = {
     "tp2": (2, ["--tensor-model-parallel-size", "2"]),
-    "tp2-dp2": (4, ["--tensor-model-parallel-size", "2"]),
+    "tp2-dp2": (4, ["--tensor-model-parallel-size", "2", "--use-distributed-optimizer"]),
 }
 HELD_SCRIPT = Path(__file__).resolve().parents[1] / "pretrain_held.py"
 LOADED = re.compile(r"successfully loaded checkpoint from .* at iteration (\d+)")

@@ -416,16 +416,16 @@ def test_recipes_checkpoint_and_resume_by_default(style, monkeypatch):
     assert "--save" not in flags and "--exit-signal-handler" not in flags
 
 
-def test_cpu_runs_leave_the_distributed_optimizer_off_so_they_can_resume(monkeypatch):
-    """Without Apex or TE the distributed optimizer saves but cannot resume (issue 29: every
-    restart of a CPU=1 job failed in Megatron's distrib_optimizer.py), so CPU=1 turns it off;
-    asked for explicitly it stays on. The real resume runs in tests/slurm/."""
+def test_cpu_runs_keep_the_gpu_recipes_distributed_optimizer(monkeypatch):
+    """CPU=1 runs the distributed optimizer as the GPU recipes do (its resume works on the CPU
+    through the runtime's patches: tests/runs/test_faults.py, tests/slurm/); asked off it is
+    off."""
     cpu = {"MOCK": "1", "CPU": "1", "MODEL": "tiny", "TP": "2", "GPUS_PER_NODE": "2"}
     [(_, flags)] = launches(run_script(SCRIPTS["srun"], **cpu).stdout)
     args = accepted(flags, world_size=2, monkeypatch=monkeypatch)
-    assert not args.use_distributed_optimizer and args.distributed_backend == "gloo"
-    [(_, flags)] = launches(run_script(SCRIPTS["srun"], DISTRIBUTED_OPTIMIZER="1", **cpu).stdout)
-    assert "--use-distributed-optimizer" in flags
+    assert args.use_distributed_optimizer and args.distributed_backend == "gloo"
+    [(_, flags)] = launches(run_script(SCRIPTS["srun"], DISTRIBUTED_OPTIMIZER="0", **cpu).stdout)
+    assert "--use-distributed-optimizer" not in flags
     [(_, flags)] = launches(run_script(SCRIPTS["srun"], MOCK="1").stdout)  # GPU runs keep it
     assert "--use-distributed-optimizer" in flags
 
