@@ -7,9 +7,10 @@ then all-gathers the FP8 bits (``distributed.py:982-1073``): half the bytes of a
 Domino gathers that input itself, ahead of the call and behind another chunk's work
 (:mod:`megatron_domino.communication.sequence_parallel`), on the layer with its norms apart
 (:mod:`megatron_domino.specs.te_spec`), so it casts the same way: :func:`fp8_input_quantizer` finds
-the quantizer TE's call would use, :func:`quantized_norm_output` runs TE's own norm op on the
-shard with that quantizer as its output quantizer (the fp32 result cast once, as the fused
-module does; the module's bf16 output carries the gradient), and :func:`quantized_gather`
+the quantizer TE's call would use, :func:`quantized_norm_output` calls the TE norm module once
+on the shard with that quantizer as its output quantizer (the fp32 result cast once, as the
+fused module does; the FP8 output carries the gradient, no bf16 norm output is made), and
+:func:`quantized_gather`
 starts TE's own all-gather of its FP8 bits. The call then gets an FP8 tensor ``[s, b/p, h]``,
 which TE uses as it is (``linear.py:384-386``), and saves as it is (the ``"inp"`` alias,
 ``linear.py:606-616``): :mod:`megatron_domino.communication.saved_shards` keeps this rank's FP8 shard of it
@@ -40,10 +41,13 @@ extension (``tests/te_cpu``: GEMMs, casts and norm kernels modelled in torch); n
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+
+from megatron_domino.base.config import DominoUnsupportedError
 
 __all__ = [
     "casts_reduce_amax",
@@ -81,7 +85,31 @@ def fp8_input_quantizer(module: torch.nn.Module):
     module.init_fp8_metadata()
     if not module.fp8:
         return None
-    return module._get_quantizers(False, False, torch.is_grad_enabled())[0]
+    quantizer = module._get_quantizers(False, False, torch.is_grad_enabled())[0]
+    return _in_role(module, quantizer, "scaling_fwd", "GEMM1_INPUT", "input")
+
+
+def _in_role(module: torch.nn.Module, quantizer, scaling: str, role: str, what: str):
+    """``quantizer``, checked to be the one in ``module``'s slot of ``role`` (TE's
+    ``FP8FwdTensorIdx``/``FP8BwdTensorIdx`` names): Domino reads ``_get_quantizers``' tuple by
+    position, which a TE outside the tested range may reorder (the quantizers exist only from
+    a module's first FP8 call, so this runs at each call, not when Domino is applied).
+
+    Raises:
+        DominoUnsupportedError: another quantizer sits at that position.
+    """
+    from transformer_engine.pytorch.constants import FP8BwdTensorIdx, FP8FwdTensorIdx
+
+    names = FP8FwdTensorIdx if scaling == "scaling_fwd" else FP8BwdTensorIdx
+    if quantizer is not module.quantizers[scaling][getattr(names, role)]:
+        raise DominoUnsupportedError(
+            f"Domino reads the {what} quantizer of {type(module).__name__} by its position in "
+            f"Transformer Engine's _get_quantizers, and this TE keeps another quantizer there "
+            f"(not {scaling}[{role}]): its FP8 casts would use the wrong scales. Use a "
+            "Transformer Engine in the tested range (megatron_domino.base.version."
+            "TESTED_TRANSFORMER_ENGINE), or train without --domino."
+        )
+    return quantizer
 
 
 def fp8_grad_output_quantizer(module: torch.nn.Module):
@@ -91,7 +119,8 @@ def fp8_grad_output_quantizer(module: torch.nn.Module):
     (``parallel_mode="row"``, ``sequence_parallel=True``) as stock's call asks it."""
     if not getattr(module, "fp8", False) or not hasattr(module, "_get_quantizers"):
         return None
-    return module._get_quantizers(False, False, True)[5]
+    quantizer = module._get_quantizers(False, False, True)[5]
+    return _in_role(module, quantizer, "scaling_bwd", "GRAD_OUTPUT1", "output-gradient")
 
 
 @contextlib.contextmanager
@@ -148,14 +177,28 @@ def quantized_norm_output(
     norm: torch.nn.Module, hidden: torch.Tensor, quantizer, amax_group: dist.ProcessGroup | None
 ) -> torch.Tensor:
     """TE norm ``norm`` (Megatron's ``TENorm``, a TE ops module) on ``hidden`` ``[s/tp, b/p, h]``,
-    its fp32 result cast to FP8 by ``quantizer`` in the norm kernel (one rounding, as the fused
-    module's norm), for a gather over the TP group (a current-scaling cast's amax reduced over
-    ``amax_group``): a row-wise ``Float8Tensor``, no autograd (the module's own call carries
-    the gradient)."""
-    from transformer_engine.pytorch.ops.op import OperationContext
+    called once as a module (its hooks run, as DDP's parameter gather needs), its fp32 result
+    cast to FP8 by ``quantizer`` in the norm kernel (one rounding, as the fused module's norm)
+    for a gather over the TP group (a current-scaling cast's amax reduced over
+    ``amax_group``): a row-wise ``Float8Tensor`` that carries the gradient through TE's own
+    norm backward.
 
-    with torch.no_grad(), _gathered_cast(quantizer, _amax_group(quantizer, amax_group)):
-        return norm.op_forward(OperationContext(requires_grad=False), hidden, None, quantizer)
+    TE's op fuser hands a norm op the input quantizer of the op after it
+    (``next_op_input_quantizer``, TE ``ops/fuser.py``); a norm called alone has none, so for
+    this one call the norm's ``op_forward`` is given ``quantizer`` as that argument.
+    """
+    op_forward = norm.op_forward
+
+    def casting_op_forward(ctx, input_, *args, **kwargs):
+        kwargs["next_op_input_quantizer"] = quantizer
+        return op_forward(ctx, input_, *args[:1], **kwargs)
+
+    norm.op_forward = casting_op_forward
+    try:
+        with _gathered_cast(quantizer, _amax_group(quantizer, amax_group)):
+            return norm(hidden)
+    finally:
+        del norm.op_forward
 
 
 def _te_gather_along_first_dim():
@@ -170,14 +213,42 @@ def _te_gather_along_first_dim():
 gather_along_first_dim = None
 
 
+class SynchronousGatherWarning(UserWarning):
+    """TE gathered a tensor synchronously where Domino asked for an asynchronous gather."""
+
+
+#: Whether :class:`SynchronousGatherWarning` was issued in this process (it is, once).
+_warned_synchronous = False
+
+
 def quantized_gather(quantized: torch.Tensor, quantizer, group: dist.ProcessGroup):
     """Start the all-gather of the FP8 shard ``quantized`` ``[s/tp, b/p, h]`` with TE's own
-    function: ``(output [s, b/p, h] Float8Tensor, to read after the handle's wait, [handle])``."""
-    global gather_along_first_dim
+    function: ``(output [s, b/p, h] Float8Tensor, to read after the handle's wait, [handle])``.
+
+    TE's FP8 block all-gather (``--fp8-recipe blockwise``) needs the tokens of the shard
+    (``s/tp x b/p``, the rows of its 1 x 128 tiles' scale layout) to be a multiple of 128;
+    otherwise TE gathers the tensor in bf16, synchronously, and returns no handle: the gather
+    cannot overlap anything. That is said once per process
+    (:class:`SynchronousGatherWarning`), naming the shape rule."""
+    global gather_along_first_dim, _warned_synchronous
     if gather_along_first_dim is None:
         gather_along_first_dim = _te_gather_along_first_dim()
     with _gathered_cast(quantizer):
         output, handle = gather_along_first_dim(
             quantized, group, async_op=True, quantizer=quantizer
+        )
+    if handle is None and not _warned_synchronous:
+        _warned_synchronous = True
+        tokens = quantized.numel() // quantized.shape[-1]
+        warnings.warn(
+            f"Domino: Transformer Engine gathered a {type(quantized).__name__} shard of "
+            f"{tokens} tokens synchronously (in bf16): its FP8 block all-gather "
+            "(--fp8-recipe blockwise) needs the tokens per rank and chunk "
+            "(seq-length / TP x micro-batch / domino-chunks, or seq-length / (TP x "
+            "domino-chunks) with --domino-split sequence) to be a multiple of 128, so this "
+            "gather and its re-gather in backward overlap nothing. Choose shapes that satisfy "
+            "it (real training shapes do), or --fp8-recipe delayed/tensorwise.",
+            SynchronousGatherWarning,
+            stacklevel=2,
         )
     return output, [handle] if handle is not None else []

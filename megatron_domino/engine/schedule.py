@@ -167,8 +167,7 @@ class LayerOps:
         if chunk.pending_embedding is not None:
             chunk.hidden, chunk.pending_embedding = chunk.pending_embedding.finish(), None
         norm, hidden = self.layer.input_layernorm, chunk.hidden
-        normed, chunk.residual = self._norm(norm, hidden)
-        chunk.linear_input = self._prepare_column_input(normed, chunk, "attention", norm, hidden)
+        chunk.linear_input = self._column_input(norm, hidden, chunk, "attention")
 
     def attention_core(self, chunk: ChunkState) -> None:
         attention = self.layer.self_attention
@@ -202,8 +201,7 @@ class LayerOps:
             self.layer.pre_mlp_layernorm,
             self._bias_dropout_add(self.layer.self_attn_bda, chunk),
         )
-        normed, chunk.residual = self._norm(norm, hidden)
-        chunk.linear_input = self._prepare_column_input(normed, chunk, "mlp", norm, hidden)
+        chunk.linear_input = self._column_input(norm, hidden, chunk, "mlp")
 
     def mlp_core(self, chunk: ChunkState) -> None:
         self._finish_gather(chunk)
@@ -218,6 +216,29 @@ class LayerOps:
             inp=hidden, requires_grad=hidden.requires_grad, keep_graph=True
         )
         chunk.residual = None
+
+    def _column_input(
+        self, norm: torch.nn.Module, hidden: torch.Tensor, chunk: ChunkState, sublayer: str
+    ) -> torch.Tensor:
+        """``norm`` of ``hidden`` ``[s, b/p, h]`` (the chunk's residual from now on), readied for
+        the sub-layer's column-parallel linear (:meth:`_prepare_column_input`).
+
+        Under sequence parallelism with the linear Transformer Engine's in an FP8 autocast, the
+        norm runs once, as TE's norm op, and its fp32 result is cast to FP8 inside it with the
+        linear's input quantizer, as stock TE's fused layer casts it: the FP8 output carries the
+        gradient (:func:`~megatron_domino.communication.te_fp8_inputs.quantized_norm_output`).
+        """
+        runtime = self.runtime
+        column = self._column_linear(sublayer)
+        quantizer = fp8_input_quantizer(column) if runtime.sequence_parallel else None
+        if quantizer is None:
+            normed, chunk.residual = self._norm(norm, hidden)
+        else:
+            normed = quantized_norm_output(norm, hidden, quantizer, runtime.amax_group)
+            chunk.residual = (
+                hidden.float() if self.layer.config.fp32_residual_connection else hidden
+            )
+        return self._prepare_column_input(normed, chunk, sublayer, quantizer)
 
     def _norm(self, norm, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm output, residual)`` for ``hidden`` ``[s, b/p, h]``, as the stock layer forms them.
@@ -249,20 +270,14 @@ class LayerOps:
             )
 
     def _prepare_column_input(
-        self,
-        normed: torch.Tensor,
-        chunk: ChunkState,
-        sublayer: str,
-        norm: torch.nn.Module,
-        hidden: torch.Tensor,
+        self, normed: torch.Tensor, chunk: ChunkState, sublayer: str, quantizer=None
     ) -> torch.Tensor:
         """Ready the norm output ``[s or s/tp, b/p, h]`` for the next column-parallel linear.
 
         Under sequence parallelism: launch its all-gather (waited in the core op; in FP8 when
-        the linear is Transformer Engine's under an FP8 autocast, as stock TE gathers it:
-        ``norm`` run again on ``hidden`` with the linear's input quantizer, its fp32 result
-        cast once, :mod:`megatron_domino.communication.te_fp8_inputs`), and with autograd on, prepare the
-        linear to keep only this rank's shard (``normed``, or its FP8 cast) for backward.
+        ``normed`` is the FP8 cast by the linear's input ``quantizer``, as stock TE gathers it,
+        :mod:`megatron_domino.communication.te_fp8_inputs`), and with autograd on, prepare the
+        linear to keep only this rank's shard (``normed``, FP8 or not) for backward.
         Otherwise, with backward overlap: place the backward wait of the linear's dX all-reduce.
         """
         runtime, labels = self.runtime, SUBLAYER_LABELS[sublayer]
@@ -271,12 +286,7 @@ class LayerOps:
             label = CollectiveLabel(labels.input_ag, self.index, chunk.index, runtime.recorder)
             chunk.gather_slot = SequenceCollective(runtime.tp_group, label)
             runtime.step.sequence_slots.append(chunk.gather_slot)
-            quantizer = fp8_input_quantizer(self._column_linear(sublayer))
-            quantized = (
-                None
-                if quantizer is None
-                else quantized_norm_output(norm, hidden, quantizer, runtime.amax_group)
-            )
+            quantized = None if quantizer is None else normed
             if grad:
                 label = CollectiveLabel(
                     labels.input_regather, self.index, chunk.index, runtime.recorder

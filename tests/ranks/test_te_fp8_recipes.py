@@ -176,10 +176,20 @@ def _blockwise_step() -> dict:
             loss.float().mean().backward()
         return loss.detach(), forward.total, backward.total
 
+    import warnings
+
+    from megatron_domino.communication.te_fp8_inputs import SynchronousGatherWarning
+
     reference, *stock_bytes = step(stock)
-    with apply_domino(apart, DominoConfig(chunks=2)):
+    with apply_domino(apart, DominoConfig(chunks=2)), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
         loss, *domino_bytes = step(apart)
-    return dict(error=(reference - loss).abs().max().item(), stock=stock_bytes, domino=domino_bytes)
+        step(apart)  # a second step: the warning is said once per process
+    said = [str(w.message) for w in seen if issubclass(w.category, SynchronousGatherWarning)]
+    return dict(
+        error=(reference - loss).abs().max().item(), stock=stock_bytes, domino=domino_bytes,
+        synchronous=said,
+    )  # fmt: skip
 
 
 def test_blockwise_forward_is_stocks_bit_for_bit_and_tp_bytes_are_stocks():
@@ -192,3 +202,48 @@ def test_blockwise_forward_is_stocks_bit_for_bit_and_tp_bytes_are_stocks():
     found = run_on_ranks(_blockwise_step, 2, te=True)[0]
     assert found["error"] == 0.0, found
     assert found["domino"] == found["stock"], found
+    # 32 tokens per chunk and rank: TE's gather is synchronous, and Domino says so, once.
+    (said,) = found["synchronous"]
+    assert "32 tokens synchronously" in said and "multiple of 128" in said, said
+
+
+def _reordered_quantizers() -> str:
+    """Domino's SP forward under FP8 on a TE whose ``_get_quantizers`` puts the weight's
+    quantizer first (as a TE outside the tested range might): the error Domino raises."""
+    from lab.analysis.equivalence import token_batch
+    from lab.models.gpt_model import GPTOptions, build_gpt_model
+    from megatron_domino.apply import apply_domino
+    from megatron_domino.base.config import DominoConfig, DominoUnsupportedError
+
+    options = GPTOptions(
+        **{**LLAMA_STYLE, "num_layers": 2}, sequence_parallel=True,
+        transformer_impl="transformer_engine", bf16=True, fp8_format="hybrid",
+    )  # fmt: skip
+    model = build_gpt_model(options, spec=te_spec(True))
+    linear = type(model.decoder.layers[0].self_attention.linear_qkv)
+    original, own = linear._get_quantizers, "_get_quantizers" in vars(linear)
+
+    def reordered(self, *args, **kwargs):
+        quantizers = list(original(self, *args, **kwargs))
+        quantizers[0], quantizers[1] = quantizers[1], quantizers[0]
+        return quantizers
+
+    linear._get_quantizers = reordered
+    try:
+        with apply_domino(model, DominoConfig(chunks=2)):
+            model(**token_batch(options, 4))
+    except DominoUnsupportedError as error:
+        return str(error)
+    finally:
+        if own:
+            linear._get_quantizers = original
+        else:
+            del linear._get_quantizers
+    return "nothing raised"
+
+
+def test_a_te_that_reorders_its_quantizers_is_refused():
+    """Domino reads TE's private quantizer tuple by position; it checks each one's role (TE's
+    named slot) and refuses a TE that keeps another quantizer there."""
+    message = run_on_ranks(_reordered_quantizers, 2, te=True)[0]
+    assert "input quantizer" in message and "scaling_fwd[GEMM1_INPUT]" in message, message

@@ -685,3 +685,51 @@ def test_llama3_70b_h100_recipe_is_nvidias_layout_where_domino_applies(monkeypat
     for given_up in ("context parallelism (CP 2)", "TE userbuffer overlap", "CUDA graphs"):
         assert given_up in header
     assert "#SBATCH --requeue\n" in header and "#SBATCH --gpus-per-node=8\n" in header
+
+
+#: A stand-in for srun on one machine: starts --ntasks-per-node copies of the command with
+#: SLURM's rank variables, as srun does on each node (the real Slurm tier, tests/slurm/, runs
+#: the recipes under a real srun; this keeps one real training run of a recipe in make test).
+FAKE_SRUN = """#!/bin/bash
+tasks=1
+while [[ $1 == --* ]]; do
+    case $1 in --ntasks-per-node=*) tasks=${1#*=} ;; esac
+    shift
+done
+pids=()
+for ((rank = 0; rank < tasks; rank++)); do
+    SLURM_PROCID=$rank SLURM_NTASKS=$tasks SLURM_LOCALID=$rank "$@" &
+    pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+exit $status
+"""
+
+
+@pytest.mark.slow
+def test_the_srun_recipe_trains_with_ranks_from_slurm_variables(tmp_path):
+    """The real (not dry) path of a recipe, in make test: exports, run directory, tee'd log,
+    ranks from SLURM_PROCID, the CPU=1 defaults (the distributed optimizer included), Domino's
+    banner and three iterations logged."""
+    (tmp_path / "bin").mkdir()
+    srun = tmp_path / "bin" / "srun"
+    srun.write_text(FAKE_SRUN)
+    srun.chmod(0o755)
+    done = run_script(
+        SCRIPTS["srun"], timeout=240, DRY_RUN="0",
+        PATH=f"{srun.parent}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        PYTHON=sys.executable, CPU="1", MODEL="tiny", TP="2", GPUS_PER_NODE="2", BF16="0",
+        MOCK="1", DOMINO="1", TRAIN_ITERS="3", LOG_INTERVAL="1", EVAL_ITERS="0",
+        RUN_DIR=str(tmp_path / "run"), DATA_CACHE_PATH=str(tmp_path / "cache"),
+    )  # fmt: skip
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert log.startswith("# pretrain: tiny, 1 node(s) x 2 ranks, TP=2, PP=1, DP=1 (srun)")
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1\n" in log
+    assert "--use-distributed-optimizer" in log and "> Domino: DominoConfig(chunks=2" in log
+    assert (
+        " iteration        3/       3 | " in log
+        and " iteration        3/       3 | " in done.stdout
+    )
+    records = [json.loads(r) for r in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in records if r["kind"] == "train"] == [1, 2, 3]
