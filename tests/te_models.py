@@ -74,6 +74,19 @@ def te_spec(sequence_parallel: bool, *, fused_norms: bool | None = None, **chang
     return te_norms_apart_layer_spec(**changes)
 
 
+def fused_twin(options: GPTOptions, model: torch.nn.Module) -> torch.nn.Module:
+    """Stock's TE layer under SP (the norms fused into the column linears, as Megatron-LM builds
+    it without ``--spec``) with ``model``'s weights: the norms-apart layer's ``state_dict`` is
+    the fused layer's (TE's pickled FP8 state left out). Under FP8 Domino reproduces its one
+    rounding of the norm output, where the norms-apart layer without Domino rounds twice."""
+    from lab.models.gpt_model import build_gpt_model
+
+    fused = build_gpt_model(options, spec=te_spec(True, fused_norms=True))
+    weights = {k: v for k, v in model.state_dict().items() if not k.endswith("._extra_state")}
+    fused.load_state_dict(weights, strict=False)
+    return fused
+
+
 @dataclasses.dataclass(frozen=True)
 class LinearCall:
     """One TE linear forward: the settings TE ran it with, and the FP8 autocast it was in

@@ -474,7 +474,9 @@ recipe_pretrain_args() {
 
 # recipe_launcher: LAUNCH_CMD, everything before pretrain_gpt_domino.py's flags.
 recipe_launcher() {
-    local script="$RECIPE_REPO_DIR/pretrain_gpt_domino.py" srun_args torchrun tasks cpus
+    # TRAIN_SCRIPT: what the ranks run, pretrain_gpt_domino.py unless a wrapper of it is given
+    # (the Slurm tier's TE job: tests/pretrain_te_cpu.py, TE's Python on the CPU).
+    local script="${TRAIN_SCRIPT:-$RECIPE_REPO_DIR/pretrain_gpt_domino.py}" srun_args torchrun tasks cpus
     read -ra srun_args <<<"${SRUN_ARGS:-}"
     read -ra torchrun <<<"$TORCHRUN"
     # Give the node's CPUs to its tasks: since SLURM 22.05 a step no longer inherits the job's

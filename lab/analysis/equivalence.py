@@ -161,6 +161,46 @@ def forward_backward(
     model.zero_grad(set_to_none=True)
     loss = model(**batch)
     loss.float().mean().backward()
+    grads = _gradients(model, finalize_sequence_parallel)
+    return StepResult(loss.detach(), grads)
+
+
+def forward_backward_on_chunks(
+    model: torch.nn.Module,
+    batch: Mapping[str, torch.Tensor],
+    chunks: int,
+    *,
+    finalize_sequence_parallel: bool = False,
+) -> StepResult:
+    """:func:`forward_backward` of stock with ``batch`` split into ``chunks`` micro-batches of
+    ``b/chunks`` samples, their gradients accumulated: per-token loss ``[b, s]``, gradients of
+    its mean.
+
+    The reference Domino's batch split is held to where a cast depends on what else it casts:
+    under FP8 current scaling each cast takes its own amax and under block scaling the weight
+    gradient's 128 x 1 tiles run along the tokens, so stock on the whole micro-batch casts
+    differently from Domino's chunks, and stock on the chunks casts as they do (each chunk's
+    amax, tiles ending at its tokens): only the order of sums differs.
+    """
+    model.zero_grad(set_to_none=True)
+    size = batch["input_ids"].shape[0] // chunks
+    losses = []
+    for chunk in range(chunks):
+        rows = slice(chunk * size, (chunk + 1) * size)
+        part = {
+            name: tensor[rows] if name != "attention_mask" and tensor.shape[0] > 1 else tensor
+            for name, tensor in batch.items()
+        }
+        loss = model(**part)
+        (loss.float().mean() / chunks).backward()
+        losses.append(loss.detach())
+    grads = _gradients(model, finalize_sequence_parallel)
+    return StepResult(torch.cat(losses), grads)
+
+
+def _gradients(model: torch.nn.Module, finalize_sequence_parallel: bool) -> dict:
+    """The parameters' gradients by bare name; with ``finalize_sequence_parallel`` those of
+    parameters marked ``sequence_parallel`` summed over the TP group (:func:`forward_backward`)."""
     grads = {_bare_name(name): p.grad.detach().clone() for name, p in model.named_parameters()}
     if finalize_sequence_parallel and getattr(model, "config", None) is not None:
         if model.config.sequence_parallel:
@@ -168,7 +208,7 @@ def forward_backward(
             for name, param in model.named_parameters():
                 if getattr(param, "sequence_parallel", False):
                     torch.distributed.all_reduce(grads[_bare_name(name)], group=group)
-    return StepResult(loss.detach(), grads)
+    return grads
 
 
 def _bare_name(name: str) -> str:

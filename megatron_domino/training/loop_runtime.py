@@ -32,11 +32,14 @@ rank that dies of an exception keeps its data iterators referenced from the trac
 forever. torchrun SIGKILLs it 30 s later; without torchrun it hangs. :func:`megatron_loop_runtime`
 registers :func:`_kill_daemonic_children` to run first at exit, with SIGKILL.
 
-And one on the CPU only so that a ``--use-distributed-optimizer`` run resumes: without Apex or
-Transformer Engine Megatron-Core 0.19's distributed optimizer runs torch's Adam, whose state
-(``exp_avg``, ``exp_avg_sq``, ``step``) does not exist before its first step, and loading a
-checkpoint first calls ``DistributedOptimizer.state_dict``, which asserts that the state's
-steps agree (``distrib_optimizer.py:838-840``, no steps at all). :data:`CPU_LOOP_PATCHES` makes
+And one on the CPU only so that a ``--use-distributed-optimizer`` run resumes: on the CPU
+Megatron-Core 0.19's distributed optimizer runs torch's Adam (without Apex or Transformer
+Engine; with TE's Python booted for tests, its GPU-only FusedAdam is replaced by torch's), whose
+state (``exp_avg``, ``exp_avg_sq``, ``step``) does not exist before its first step, and loading
+a checkpoint first calls ``DistributedOptimizer.state_dict``, which asserts that the state's
+steps agree without Apex or TE (``distrib_optimizer.py:838-840``, no steps at all), and with TE
+looks for the step count in the parameter groups, where torch's Adam keeps none (``:846-856``):
+the count would not be saved, so the patched ``state_dict`` puts it there. :data:`CPU_LOOP_PATCHES` makes
 that state before ``state_dict`` reads it (:func:`start_torch_adam_state`): the zeros and step 0
 torch's Adam would make at its first step, so a run that loads nothing trains as before, and a
 resumed one has the loaded values in them. The load then copies the saved parameter state into
@@ -179,11 +182,23 @@ def start_torch_adam_state(optimizer: torch.optim.Optimizer) -> None:
 _distributed_optimizer_state_dict = distrib_optimizer.DistributedOptimizer.state_dict
 
 
+def _torch_adam(optimizer) -> bool:
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+
+
 def _state_dict_with_adam_state(self) -> dict:
-    """``DistributedOptimizer.state_dict`` once its torch Adam has state (module docstring)."""
-    if not distrib_optimizer.HAVE_APEX_OR_TE:
-        start_torch_adam_state(self.optimizer)
-    return _distributed_optimizer_state_dict(self)
+    """``DistributedOptimizer.state_dict`` once its torch Adam has state, the step count in
+    its parameter groups (module docstring)."""
+    if not _torch_adam(self.optimizer):
+        return _distributed_optimizer_state_dict(self)
+    start_torch_adam_state(self.optimizer)
+    state_dict = _distributed_optimizer_state_dict(self)
+    steps = {float(state["step"]) for state in self.optimizer.state.values() if "step" in state}
+    if len(steps) == 1:
+        (step,) = steps
+        for group in state_dict["optimizer"]["param_groups"]:
+            group.setdefault("step", step)
+    return state_dict
 
 
 _distributed_optimizer_load_state_dict = distrib_optimizer.DistributedOptimizer.load_state_dict
@@ -192,11 +207,11 @@ _distributed_optimizer_load_state_dict = distrib_optimizer.DistributedOptimizer.
 def _load_state_dict_without_grad(self, state_dict: dict) -> None:
     """``DistributedOptimizer.load_state_dict`` under ``torch.no_grad``, then each parameter's
     ``step`` its own tensor holding the saved count (module docstring)."""
+    if _torch_adam(self.optimizer):
+        start_torch_adam_state(self.optimizer)
     with torch.no_grad():
         _distributed_optimizer_load_state_dict(self, state_dict)
-    if distrib_optimizer.HAVE_APEX_OR_TE or not isinstance(
-        self.optimizer, torch.optim.Adam | torch.optim.AdamW
-    ):
+    if not _torch_adam(self.optimizer):
         return
     steps = {group["step"] for group in state_dict["optimizer"]["param_groups"] if "step" in group}
     if len(steps) != 1:

@@ -37,12 +37,13 @@ import torch
 import torch.distributed as dist
 from fused_wgrad_stand_in import installed as fused_wgrad_installed
 from multiproc import run_on_ranks
-from te_models import fp8_start_fixed, te_spec
+from te_models import fp8_meta_state, fp8_start_fixed, fused_twin, load_fp8_meta_state, te_spec
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lab.analysis.equivalence import (
     BF16_BOUND,
     compare_with_stock,
+    forward_backward,
     fp32_reference_model,
     token_batch,
     tolerance_for,
@@ -256,8 +257,17 @@ def _te_contract(sequence_parallel: bool, setting_name: str) -> dict:
         fp32_reference=fp32_reference_model(options, model, spec=spec),
     ).settings[setting_name]  # fmt: skip
     results = {"mismatches": compared.mismatches[:3], "left_pending": compared.left_pending}
-    with fp8_start_fixed(model):  # every fused step from the same FP8 scales and histories
-        results["stock"] = _fused_step(model, batch)
+    # Stock is the layer stock TE builds: under SP the fused norm + linear, whose one rounding
+    # of the norm output Domino reproduces (the norms-apart layer rounds twice).
+    start = fp8_meta_state(model)  # every fused step below from these FP8 scales and histories
+    stock = fused_twin(options, model) if sequence_parallel else model
+    if stock is not model:
+        forward_backward(stock, batch)  # makes its FP8 state, replaced by model's
+    load_fp8_meta_state(stock, start)
+    with fp8_start_fixed(stock):
+        results["stock"] = _fused_step(stock, batch)
+    load_fp8_meta_state(model, start)
+    with fp8_start_fixed(model):
         with apply_domino(model, config):
             results["domino"] = _fused_step(model, batch)
             results["dropped"] = _fused_step(model, batch, drop_a_chunk=True)
@@ -479,7 +489,11 @@ def _norm_calls() -> dict[str, int]:
     module's op ran its forward."""
     options = _te_options(True)
     model = build_gpt_model(options, spec=te_spec(True))
-    norms = {n: m for n, m in model.named_modules() if n.endswith(("layernorm", "final_layernorm"))}
+    norms = {
+        n: m
+        for n, m in model.named_modules()
+        if n.endswith(("layernorm", "final_layernorm")) and hasattr(m, "op_forward")
+    }
     counted: Counter = Counter()
     classes = {type(module) for module in norms.values()}
     originals = {cls: (cls.op_forward, "op_forward" in vars(cls)) for cls in classes}

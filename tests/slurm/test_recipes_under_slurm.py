@@ -287,3 +287,79 @@ def test_a_refused_command_line_is_not_requeued_and_keeps_its_status(slurm, tmp_
     assert job.info["Restarts"] == "0" and job.info["ExitCode"] == "2:0"
     assert "no CUDA device here" in job.output and "CPU=1" in job.output
     assert "not requeued: the command line or an input was refused" in job.output
+
+
+# --- what an H100 job runs, as far as the CPU allows ------------------------------------
+
+#: Iterations of the TE jobs: TE's Python over the CPU backend is slower per iteration than
+#: Megatron's local layers, and the signal lands after :data:`TE_SIGNAL_AT` of them.
+TE_ITERS, TE_SIGNAL_AT = 120, 20
+#: The recipes' GPU configuration: Transformer Engine's layers (its own Python, booted on the
+#: CPU by tests/pretrain_te_cpu.py), sequence parallelism with the norms-apart spec, bf16 with
+#: FP8 (FP8_RECIPE), micro-batch 1 with the sequence split, the distributed optimizer (the
+#: recipes' default, CPU=1 too); CPU=1 for gloo and the CPU flags.
+H100_KNOBS = {
+    "TRANSFORMER_IMPL": "transformer_engine",
+    "BF16": "1",
+    "FP8_FORMAT": "hybrid",
+    "FP8_RECIPE": "tensorwise",
+    "MICRO_BATCH_SIZE": "1",
+    "DOMINO": "1",
+    "DOMINO_SPLIT": "sequence",
+    "DOMINO_CHUNKS": "2",
+    "TRAIN_ITERS": str(TE_ITERS),
+    "LOG_INTERVAL": "5",
+}
+
+
+def _h100_knobs(tmp_path: Path) -> dict[str, str]:
+    from te_cpu import te_home
+
+    repo = Path(__file__).resolve().parents[2]
+    return job_knobs(
+        tmp_path, **H100_KNOBS, TRAIN_SCRIPT=str(repo / "tests" / "pretrain_te_cpu.py"),
+        PYTHONPATH=str(repo), MEGATRON_DOMINO_TE_HOME=str(te_home()),
+    )  # fmt: skip
+
+
+def test_the_h100_configuration_is_preempted_requeued_and_resumed(slurm, tmp_path):
+    """srun style, the GPU recipe's own defaults on TE's layers: an uninterrupted job, then the
+    same knobs SIGTERMed mid-run (scancel --signal=TERM): every rank saves (the distributed
+    optimizer's sharded state included), the script requeues the job, it resumes and computes
+    the uninterrupted job's losses bit for bit."""
+    reference_dir, stopped_dir = tmp_path / "reference", tmp_path / "stopped"
+    reference_dir.mkdir()
+    stopped_dir.mkdir()
+    job = slurm.submit(
+        "pretrain_gpt_srun.sh", knobs=_h100_knobs(reference_dir), sbatch_args=ASKED,
+        output=reference_dir / "out", timeout=JOB_TIMEOUT,
+    )  # fmt: skip
+    report(job, "pretrain_gpt_srun.sh, TE + SP + FP8 tensorwise, uninterrupted")
+    assert job.completed and job.info["Restarts"] == "0", job.output[-3000:]
+    train_log = (reference_dir / "run" / "train.log").read_text()
+    for flag in ("--transformer-impl transformer_engine", "--sequence-parallel", "--fp8-recipe tensorwise",
+                 "--use-distributed-optimizer", "te_norms_apart_block_spec", "--domino-split sequence"):  # fmt: skip
+        assert flag in train_log, flag
+    uninterrupted = losses(reference_dir / "run" / "log.jsonl")
+    assert list(uninterrupted) == list(range(1, TE_ITERS + 1))
+    signalled = []
+
+    def signal_mid_run(job_id, info):
+        trained = _trained_iterations(stopped_dir)
+        if not signalled and info["JobState"] == "RUNNING" and trained >= TE_SIGNAL_AT:
+            signalled.append(trained)
+            slurm.scancel("--signal=TERM", job_id)
+
+    job = slurm.submit(
+        "pretrain_gpt_srun.sh", knobs=_h100_knobs(stopped_dir), sbatch_args=ASKED,
+        output=stopped_dir / "out", timeout=JOB_TIMEOUT, while_running=signal_mid_run,
+    )  # fmt: skip
+    report(job, "pretrain_gpt_srun.sh, TE + SP + FP8 tensorwise, SIGTERM")
+    assert signalled, "the run ended before it was signalled"
+    assert job.completed and job.info["Restarts"] == "1", job.output[-3000:]
+    [(saved, _)] = _resumed((stopped_dir / "run" / "train.log").read_text())
+    assert TE_SIGNAL_AT <= saved < TE_ITERS
+    resumed = losses(stopped_dir / "run" / "log.jsonl")
+    assert list(resumed) == list(range(1, TE_ITERS + 1))
+    assert resumed == uninterrupted
+    print(f"TE job saved at iteration {saved}, resumed, final {TE_ITERS}")
