@@ -101,9 +101,10 @@ def _compare(sequence_parallel: bool) -> dict:
 
 def _compare_in(options, named: list) -> dict:
     """:func:`compare_with_stock` on a model built from ``options``, TE's calls logged. Under
-    FP8, after one step (TE allocates its FP8 state in the first FP8 call), every run starts
-    from the same FP8 state, and the state after stock's run (read once the two stock runs are
-    done) and after each setting's step are kept."""
+    FP8, one step runs first (TE allocates its FP8 state in the first FP8 call); under delayed
+    scaling every run then starts from the same FP8 state, and the state after stock's run
+    (read once the two stock runs are done) and after each setting's step are kept (current
+    and block scaling carry no state from step to step)."""
     spec = te_spec(options.sequence_parallel)
     model = build_gpt_model(options, spec=spec)
     batch = token_batch(options, 4)
@@ -114,11 +115,13 @@ def _compare_in(options, named: list) -> dict:
         forward_backward(model, batch)
     observed = []  # after the stock runs, then after each setting's step
 
-    fixed = fp8_start_fixed(model) if fp8 else contextlib.nullcontext({})
+    # Only delayed scaling carries state from step to step (scales, amax histories).
+    fixed = fp8_start_fixed(model) if delayed else contextlib.nullcontext({})
     with TECalls(model) as calls, fixed as start:
 
         def observe() -> dict:
-            observed.append(dict(calls=calls.take(), fp8_state=fp8_meta_state(model)))
+            fp8_state = fp8_meta_state(model) if delayed else {}
+            observed.append(dict(calls=calls.take(), fp8_state=fp8_state))
             return observed[-1]
 
         comparison = compare_with_stock(
