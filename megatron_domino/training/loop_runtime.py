@@ -133,6 +133,10 @@ def _one_device() -> int:
     return 1
 
 
+def _no_nvml_answer() -> bool:
+    return False
+
+
 def _set_device(device: object) -> None:
     return None
 
@@ -253,6 +257,14 @@ CPU_LOOP_PATCHES: tuple[Patch, ...] = (
         "device_count",
         _one_device,
         "initialize.py:358/447 create the TP groups and seed the TP RNG only when it is > 0.",
+    ),
+    Patch(
+        torch.cuda,
+        "_nvml_based_avail",
+        _no_nvml_answer,
+        "with PYTORCH_NVML_BASED_CUDA_CHECK=1 (``import deepspeed`` sets it) torch.cuda.is_available "
+        "answers device_count() > 0, which the patch above makes true; TorchDynamo then asks "
+        "CUDA for its current stream when initialize.py:526 warms the fused kernels.",
     ),
     Patch(torch.cuda, "set_device", _set_device, "initialize.py:282 selects the rank's GPU."),
     Patch(torch.cuda, "Stream", _no_stream, "DDP wrapping (training.py:1876) uses a side stream."),

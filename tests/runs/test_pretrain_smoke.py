@@ -42,7 +42,13 @@ def test_tp2_domino_run_on_a_prepared_dataset_decreases_the_loss(tmp_path):
     assert sorted(records(log_json, "domino_report")) == [2]
 
 
-def test_one_plain_python_process_trains(tmp_path):
+def test_one_plain_python_process_trains(tmp_path, monkeypatch):
+    """One process, no launcher; with PYTORCH_NVML_BASED_CUDA_CHECK=1, which ``import deepspeed``
+    sets in the importing process (so in a pytest worker that ran the DeepSpeed arm, and in every
+    run it starts): torch then answers ``cuda.is_available()`` from the device count the CPU
+    loop runtime patches to 1, and the warm-up of Megatron's compiled kernels asked CUDA for a
+    stream (the run died)."""
+    monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     log_json = tmp_path / "log.jsonl"
     run_pretrain(
         [
