@@ -29,6 +29,7 @@ from megatron_domino.engine.block import domino_block_forward
 from megatron_domino.engine.output_head import chunk_logits
 from megatron_domino.engine.state import DominoRuntime
 from megatron_domino.plan import LAYER_PLAN, layer_forward, model_end_forwards
+from megatron_domino.refusal_table import HYBRID_MODEL
 from megatron_domino.refusals import model_problems, raise_problems, sharded_problems
 from megatron_domino.runtime.amax_group import amax_reduction_group
 
@@ -40,6 +41,14 @@ def _block_forward(block: TransformerBlock, *args, runtime: DominoRuntime, **kwa
     library user may apply Domino first; FSDP's hooks on the layers would never run)."""
     raise_problems(sharded_problems(block))
     return domino_block_forward(block, *args, runtime=runtime, **kwargs)
+
+
+def _hybrid_stack_class() -> type:
+    """Megatron-Core's ``HybridStack`` (imported when asked: its module imports the TE
+    extension's classes)."""
+    from megatron.core.models.hybrid.hybrid_block import HybridStack
+
+    return HybridStack
 
 
 class DominoHandle:
@@ -86,6 +95,10 @@ def apply_domino(
     """
     check_megatron_core_version()
     blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    if not blocks and any(isinstance(m, _hybrid_stack_class()) for m in model.modules()):
+        raise DominoUnsupportedError(
+            f"Domino does not run Megatron-Core's HybridModel yet: {HYBRID_MODEL.message}."
+        )
     if len(blocks) != 1:
         raise DominoUnsupportedError(
             f"Domino expects exactly one TransformerBlock in the model, found {len(blocks)}."

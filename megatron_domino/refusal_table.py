@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["REFUSALS", "Refusal", "config_refusals", "support_table"]
+__all__ = ["HYBRID_MODEL", "REFUSALS", "Refusal", "config_refusals", "support_table"]
 
 BY_DESIGN, NOT_YET = "by design", "not yet"
 
@@ -63,6 +63,17 @@ def _above_one(value) -> bool:
 
 
 _CUDA_GRAPHS = "CUDA graphs bypass forward()"
+
+#: Megatron-Core 0.19's successor of ``GPTModel`` (issue 38), refused by the script and by
+#: :func:`megatron_domino.apply.apply_domino`.
+HYBRID_MODEL = Refusal(
+    "`HybridModel` (`--hybrid-layer-pattern`, Megatron-LM's `pretrain_hybrid.py`)",
+    "Domino's schedule binds a `GPTModel`'s `TransformerBlock` of attention + MLP layers; "
+    "a `HybridStack`'s attention-only (`*`) and MLP-only (`-`) layers are not bound yet",
+    NOT_YET,
+    "`GPTModel` with the same layers (`*-` per layer: `--num-layers N`, its checkpoints "
+    "load into `HybridModel`), or `pretrain_hybrid.py` without `--domino`",
+)
 
 #: Every refusal, in the order of the support table.
 REFUSALS: tuple[Refusal, ...] = (
@@ -346,6 +357,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "enable_mhc_connections",
         bool,
     ),
+    HYBRID_MODEL,
     Refusal(
         "`mlp_chunks_for_training` > 1",
         "mlp_chunks_for_training splits the MLP inside the stock layer forward, which the "

@@ -23,7 +23,7 @@ The sequence-parallel re-gather of a column linear's saved input
 all-gathers of every tensor it kept, launched and waited as one collective.
 
 **Where is a collective launched, and where is it waited?** Look its recorder label up in
-:data:`COLLECTIVE_SITES`, the one table of every collective Domino issues (16 rows): per
+:data:`COLLECTIVE_SITES`, the one table of every collective Domino issues (18 rows): per
 label and direction, its kind, and the call path of its launch and of its wait as
 ``module:function``, outermost first (a forward path starts at the schedule's op in
 :class:`~megatron_domino.engine.schedule.LayerOps`, a backward one at the autograd node the engine
@@ -31,8 +31,10 @@ calls). E.g. chunk ``c``'s ``attention_ar`` is launched by the ``attention_proje
 (``engine.schedule:LayerOps.projection -> engine.linears:row_projection -> engine.row_output:PendingReduce.launch``)
 and waited by the ``mlp_norm`` op (``engine.schedule:LayerOps._bias_dropout_add ->
 engine.row_output:PendingReduce.wait``). The labels are the constants below (:data:`SUBLAYER_LABELS`,
-:data:`EMBEDDING_AR`, :data:`HEAD_DGRAD_AR`), the only place their strings are written; a
-traced step records exactly the table's labels and call paths
+:data:`EMBEDDING_AR`, :data:`HEAD_DGRAD_AR`, :data:`FP8_AMAX_AR`), the only place their strings
+are written; a traced step records exactly the table's labels and call paths, and every
+collective a traced TE FP8 step issues from Domino's code is one of the table's rows, the
+blocking amax reductions of Domino's chunked FP8 casts included
 (``tests/ranks/test_collective_sites.py``). Not in the table: Megatron-Core's own collectives
 where Domino leaves them to stock (the vocab-parallel cross entropy, the embedding and output
 layer under sequence parallelism, TE's column-linear backward without it) and the GPU check's
@@ -53,6 +55,7 @@ from megatron_domino.communication.te_fp8_inputs import quantized_gather
 __all__ = [
     "COLLECTIVE_SITES",
     "EMBEDDING_AR",
+    "FP8_AMAX_AR",
     "HEAD_DGRAD_AR",
     "SUBLAYER_LABELS",
     "CollectiveSite",
@@ -109,6 +112,9 @@ SUBLAYER_LABELS = {
 EMBEDDING_AR = "embedding_ar"
 #: The output layer's input-gradient all-reduce, per chunk (:mod:`megatron_domino.engine.output_head`).
 HEAD_DGRAD_AR = "head_dgrad_ar"
+#: Under FP8 current scaling with SP, the amax reduction of a chunk's gathered cast, blocking,
+#: on the amax group (:mod:`megatron_domino.runtime.amax_group`).
+FP8_AMAX_AR = "fp8_amax_ar"
 
 
 @dataclass(frozen=True)
@@ -126,6 +132,10 @@ class CollectiveSite:
         legs: in backward, where the step has legs (``engine.legs``; the schedule's module
             docstring has the order), which leg's backward launches it and which leg's waits
             for it, and what runs between; empty in forward.
+        in_flight: ``False`` for a collective Domino has Transformer Engine issue blocking,
+            inside one call (launched and waited there: nothing flies, and the recorder sees
+            no launch or wait), on a process group of its own; the traced TE FP8 step finds it
+            along ``launched_in``.
     """
 
     label: str
@@ -135,6 +145,7 @@ class CollectiveSite:
     waited_in: tuple[str, ...]
     what: str
     legs: str = ""
+    in_flight: bool = True
 
 
 def _sublayer_sites(sublayer: str, norm_op: str, core_op: str, wait_op: str):
@@ -264,6 +275,25 @@ COLLECTIVE_SITES: tuple[CollectiveSite, ...] = (
         "is placed on the final norm's output by engine.output_head:place_head_wait",
         "launched by the output layer's backward, outside the legs; waited first by each "
         "chunk's last leg (chunk p-1's first, behind the output layer's dW GEMM)",
+    ),
+    CollectiveSite(
+        FP8_AMAX_AR, ALL_REDUCE, "fwd",
+        ("engine.schedule:LayerOps._column_input", "communication.te_fp8_inputs:quantized_norm_output"),
+        ("engine.schedule:LayerOps._column_input", "communication.te_fp8_inputs:quantized_norm_output"),
+        "FP8 current scaling (tensorwise) + SP on TE: the MAX of a chunk's norm output amax "
+        "over the TP ranks, one float, before its cast for the input all-gather (TE's cast "
+        "runs it blocking); on the amax group, never queued behind the TP group's collectives",
+        in_flight=False,
+    ),
+    CollectiveSite(
+        FP8_AMAX_AR, ALL_REDUCE, "bwd",
+        ("communication.sequence_parallel:_ScatterWait.backward", "communication.te_fp8_inputs:quantize_shard"),
+        ("communication.sequence_parallel:_ScatterWait.backward", "communication.te_fp8_inputs:quantize_shard"),
+        "FP8 current scaling (tensorwise) + SP on TE: the MAX of a chunk's row-output gradient "
+        "amax over the TP ranks, before its cast for the output-gradient all-gather; blocking, "
+        "on the amax group",
+        "inside the leg that launches the output-gradient all-gather, just before it",
+        in_flight=False,
     ),
 )  # fmt: skip
 

@@ -50,6 +50,7 @@ from megatron_domino.base.config import (
 )
 from megatron_domino.base.version import UnsupportedMegatronVersion, check_megatron_core_version
 from megatron_domino.data.files import DataFileError
+from megatron_domino.refusal_table import HYBRID_MODEL
 from megatron_domino.runtime.distributed import export_torchrun_environment
 from megatron_domino.runtime.patch import Patch
 from megatron_domino.training.flags import add_flags
@@ -88,6 +89,14 @@ def _script_checks(args: argparse.Namespace) -> DominoConfig | None:
     problems = loop_hook_problems(args)
     if problems:
         raise StartupError("\n".join(problems))
+    if getattr(args, "hybrid_layer_pattern", None) is not None:
+        raise StartupError(
+            f"--hybrid-layer-pattern {args.hybrid_layer_pattern!r} asks for Megatron-Core's "
+            "HybridModel, which pretrain_gpt_domino.py does not build and Domino does not run "
+            f"yet ({HYBRID_MODEL.why}): train the GPTModel with the same layers (`*-` per "
+            "layer: --num-layers N; its checkpoints load into HybridModel), or Megatron-LM's "
+            "pretrain_hybrid.py without --domino."
+        )
     domino_config = None
     if args.domino:
         from megatron_domino.training.megatron_lm import check_args

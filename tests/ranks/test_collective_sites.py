@@ -13,6 +13,13 @@ library's call stack (``module:function``, outermost first) and, for every launc
 * every launch's stack holds its row's ``launched_in`` path, in order, and every wait's its
   ``waited_in``;
 * every launch called its row's kind of collective, and only that.
+
+And one forward and backward at ``p = 2`` on Transformer Engine's layers (TE's Python on the CPU
+backend) under FP8 current scaling (``tensorwise``) and SP, the H100 path, with every
+``torch.distributed`` collective noted where Domino's code is on the stack, TE's own included:
+each is one of the table's rows by its kind and its row's launch path, on the TP group or, for
+the blocking amax reductions of Domino's chunked casts (rows not in flight), on the amax group,
+and both of those rows occur.
 """
 
 from __future__ import annotations
@@ -22,9 +29,10 @@ import sys
 
 import pytest
 from multiproc import run_on_ranks
+from te_models import te_options, te_spec
 from tiny_models import TINY
 
-from lab.analysis.equivalence import token_batch
+from lab.analysis.equivalence import forward_backward, token_batch
 from lab.models.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.apply import apply_domino
 from megatron_domino.base.recorder import LAUNCH, WAIT_BEGIN, EventRecorder
@@ -105,8 +113,9 @@ def test_the_labels_recorded_are_the_tables_rows(traced):
     recorded = {
         (event, label, direction) for seen in traced.values() for event, label, direction in seen
     }
-    rows = {(site.label, site.direction) for site in COLLECTIVE_SITES}
-    assert len(rows) == len(COLLECTIVE_SITES), "two rows for one label and direction"
+    keys = {(site.label, site.direction) for site in COLLECTIVE_SITES}
+    assert len(keys) == len(COLLECTIVE_SITES), "two rows for one label and direction"
+    rows = {(site.label, site.direction) for site in COLLECTIVE_SITES if site.in_flight}
     for event in (LAUNCH, WAIT_BEGIN):
         found = {(label, direction) for kind, label, direction in recorded if kind == event}
         assert found - rows == set(), f"{event}: recorded, no row"
@@ -143,3 +152,58 @@ def test_each_launch_calls_its_rows_kind_of_collective(traced):
                     direction,
                     kinds,
                 )
+
+
+def _te_fp8_collectives() -> list[tuple[str, str, tuple[str, ...]]]:
+    """On every rank: ``(kind, group, library stack)`` of every collective called with
+    Domino's code on the stack in one p = 2 step on TE's layers, FP8 tensorwise + SP; the group
+    is ``tp``, ``amax`` (the runtime's amax group) or ``other``."""
+    import torch.distributed as dist
+
+    options = te_options(True, bf16=True, fp8_format="hybrid", fp8_recipe="tensorwise")
+    model = build_gpt_model(options, spec=te_spec(True))
+    batch = token_batch(options, 4)
+    forward_backward(model, batch)  # TE makes its FP8 state in the first FP8 step
+    groups, noted = {}, []
+
+    def noting(name, original):
+        def collective(*args, **kwargs):
+            stack = _library_stack(sys._getframe(1))
+            if stack and groups:
+                group = kwargs.get("group")
+                if group is None:  # by position, after the tensors (torch.distributed's order)
+                    group = next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+                which = next((k for k, g in groups.items() if g is group), "other")
+                noted.append((COLLECTIVE_KINDS[name], which, stack))
+            return original(*args, **kwargs)
+
+        return collective
+
+    with swapped_tp_collectives(noting):
+        with apply_domino(model, setting("sp-p2").config) as handle:
+            groups.update(tp=handle.runtime.tp_group, amax=handle.runtime.amax_group)
+            forward_backward(model, batch)
+            groups.clear()
+    return noted
+
+
+@pytest.mark.te
+def test_a_te_fp8_step_issues_only_the_tables_collectives():
+    noted = run_on_ranks(_te_fp8_collectives, 2, te=True)[0]
+    assert noted
+    unlisted, rows_seen = [], set()
+    for kind, group, stack in noted:
+        rows = [
+            site
+            for site in COLLECTIVE_SITES
+            if site.kind == kind and _in_order(site.launched_in, stack)
+        ]
+        if not rows:
+            unlisted.append((kind, group, stack))
+            continue
+        site = max(rows, key=lambda row: len(row.launched_in))  # the most specific path
+        rows_seen.add((site.label, site.direction))
+        assert group == ("tp" if site.in_flight else "amax"), (site.label, group, stack)
+    assert not unlisted, unlisted[:3]
+    blocking = {(s.label, s.direction) for s in COLLECTIVE_SITES if not s.in_flight}
+    assert blocking <= rows_seen, rows_seen

@@ -11,6 +11,7 @@ import importlib
 from megatron_domino.communication.collectives import (
     COLLECTIVE_SITES,
     EMBEDDING_AR,
+    FP8_AMAX_AR,
     HEAD_DGRAD_AR,
     SUBLAYER_LABELS,
     collective_site,
@@ -35,7 +36,7 @@ def test_every_path_names_a_function_of_the_library():
 
 def test_one_row_per_label_and_direction_of_a_known_kind():
     keys = [(site.label, site.direction) for site in COLLECTIVE_SITES]
-    assert len(keys) == len(set(keys)) == 16
+    assert len(keys) == len(set(keys)) == 18
     for site in COLLECTIVE_SITES:
         assert site.kind in KINDS and site.direction in ("fwd", "bwd"), site
         assert site.launched_in and site.waited_in and site.what, site
@@ -43,7 +44,7 @@ def test_one_row_per_label_and_direction_of_a_known_kind():
 
 
 def test_every_label_constant_has_its_rows():
-    constants = {EMBEDDING_AR, HEAD_DGRAD_AR}
+    constants = {EMBEDDING_AR, HEAD_DGRAD_AR, FP8_AMAX_AR}
     for labels in SUBLAYER_LABELS.values():
         constants |= {
             labels.output_ar,
