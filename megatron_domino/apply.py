@@ -1,8 +1,9 @@
-"""Apply Domino to a Megatron-Core GPT model, and take it off again.
+"""Apply Domino to a Megatron-Core GPT or hybrid model, and take it off again.
 
 ``apply_domino(model, config)`` binds Domino's ``forward`` onto *instances* of the model's
-transformer block and of the layer modules :data:`megatron_domino.plan.LAYER_PLAN` names
-(tensor-parallel linears; core attentions under the sequence split), and onto the model's two
+layer stack (a ``GPTModel``'s ``TransformerBlock``, a ``HybridModel``'s ``HybridStack``) and of
+the layer modules :data:`megatron_domino.plan.LAYER_PLAN` names for each layer's sub-layers
+(tensor-parallel linears; core attentions under the sequence split), and onto a ``GPTModel``'s two
 ends where they can take part (:data:`megatron_domino.plan.MODEL_ENDS`: the embedding's
 all-reduce launched per chunk, the output layer's input gradient all-reduced per chunk). The classes stay
 untouched, so an unpatched model in the same process (e.g. the baseline of an A/B test) is
@@ -28,8 +29,13 @@ from megatron_domino.communication.te_fp8_inputs import casts_reduce_amax
 from megatron_domino.engine.block import domino_block_forward
 from megatron_domino.engine.output_head import chunk_logits
 from megatron_domino.engine.state import DominoRuntime
-from megatron_domino.plan import LAYER_PLAN, layer_forward, model_end_forwards
-from megatron_domino.refusal_table import HYBRID_MODEL
+from megatron_domino.plan import (
+    LAYER_SUBLAYERS,
+    block_layer_kinds,
+    layer_forward,
+    model_end_forwards,
+    targets_of,
+)
 from megatron_domino.refusals import model_problems, raise_problems, sharded_problems
 from megatron_domino.runtime.amax_group import amax_reduction_group
 
@@ -81,12 +87,14 @@ class DominoHandle:
 def apply_domino(
     model: torch.nn.Module, config: DominoConfig, *, recorder: NullRecorder = NULL_RECORDER
 ) -> DominoHandle:
-    """Make ``model``'s transformer block run the Domino schedule.
+    """Make ``model``'s layer stack run the Domino schedule.
 
     Args:
         model: a Megatron-Core ``GPTModel`` (one pipeline stage or virtual-stage chunk of
             it) built from the local or the Transformer Engine layer spec, bare or wrapped
-            (DDP, Float16Module): its single ``TransformerBlock`` is found by type.
+            (DDP, Float16Module): its single ``TransformerBlock`` is found by type; or a
+            ``HybridModel`` whose pattern has ``*`` and ``-`` layers only (its ``HybridStack``;
+            its embedding and output layer stay stock).
         config: the Domino settings.
         recorder: an :class:`~megatron_domino.base.recorder.EventRecorder` to record the schedule.
     Raises:
@@ -94,14 +102,12 @@ def apply_domino(
         UnsupportedMegatronVersion: outside the tested Megatron-Core releases.
     """
     check_megatron_core_version()
-    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
-    if not blocks and any(isinstance(m, _hybrid_stack_class()) for m in model.modules()):
-        raise DominoUnsupportedError(
-            f"Domino does not run Megatron-Core's HybridModel yet: {HYBRID_MODEL.message}."
-        )
+    stack_classes = (TransformerBlock, _hybrid_stack_class())
+    blocks = [m for m in model.modules() if isinstance(m, stack_classes)]
     if len(blocks) != 1:
         raise DominoUnsupportedError(
-            f"Domino expects exactly one TransformerBlock in the model, found {len(blocks)}."
+            "Domino expects exactly one layer stack in the model (a GPTModel's TransformerBlock "
+            f"or a HybridModel's HybridStack), found {len(blocks)}."
         )
     block = blocks[0]
     if "forward" in vars(block):
@@ -111,14 +117,15 @@ def apply_domino(
         )
     raise_problems(model_problems(block, config))
 
-    tp_group = block.layers[0].self_attention.linear_proj.tp_group
+    tp_group = block.tp_group
     runtime = DominoRuntime(config, tp_group, recorder, block.config.sequence_parallel)
+    runtime.layer_sublayers = tuple(LAYER_SUBLAYERS[kind] for kind in block_layer_kinds(block))
     if casts_reduce_amax(block.config):
         runtime.amax_group = amax_reduction_group(tp_group)
     block.forward = functools.partial(_block_forward, block, runtime=runtime)
     patched = [block]
-    for layer in block.layers:
-        for target in LAYER_PLAN:
+    for layer, sublayers in zip(block.layers, runtime.layer_sublayers, strict=True):
+        for target in targets_of(sublayers):
             module = target.find(layer)
             forward = layer_forward(target, module, config)
             if forward is not None:

@@ -1,8 +1,10 @@
 """What Domino binds onto a model: one table, read by :mod:`.apply` and by :mod:`.refusals`.
 
-Domino replaces the ``forward`` of a few module *instances* of a Megatron-Core ``GPTModel``:
-its transformer block (:func:`megatron_domino.engine.block.domino_block_forward`) and, in every
-layer, the modules of :data:`LAYER_PLAN`. Each entry names the module by its attribute path
+Domino replaces the ``forward`` of a few module *instances* of a Megatron-Core ``GPTModel`` or
+``HybridModel``: its layer stack (the ``TransformerBlock``, or the ``HybridStack``;
+:func:`megatron_domino.engine.block.domino_block_forward`) and, in every layer, the modules of
+:data:`LAYER_PLAN` of the layer's sub-layers (:data:`LAYER_SUBLAYERS`: which layer gives which
+ops; the schedule runs three per sub-layer). Each entry names the module by its attribute path
 from the ``TransformerLayer``, its kind, and the Megatron-Core class whose ``forward`` the
 stock layer would run there. :func:`layer_forward` picks Domino's forward for the module found
 at a target: it is the one place that tells a Transformer Engine module from Megatron's own
@@ -52,14 +54,17 @@ from megatron_domino.engine.te_linears import TE_ROW, te_column_parallel_forward
 
 __all__ = [
     "LAYER_PLAN",
+    "LAYER_SUBLAYERS",
     "LINEARS",
     "MODEL_ENDS",
     "ModelEnd",
     "Target",
+    "block_layer_kinds",
     "is_te_core_attention",
     "is_te_linear",
     "layer_forward",
     "model_end_forwards",
+    "targets_of",
 ]
 
 
@@ -77,6 +82,11 @@ class Target:
     path: str
     kind: Literal["column", "row", "core_attention"]
     stock: type
+
+    @property
+    def sublayer(self) -> str:
+        """The sub-layer the module belongs to (``attention``, ``mlp``)."""
+        return "attention" if self.path.startswith("self_attention.") else "mlp"
 
     @property
     def name(self) -> str:
@@ -101,6 +111,30 @@ LAYER_PLAN: tuple[Target, ...] = (
 )
 #: The layer's four tensor-parallel linears.
 LINEARS: tuple[Target, ...] = tuple(t for t in LAYER_PLAN if t.kind in ("column", "row"))
+
+#: Which layer gives which ops: per kind of layer, its sub-layers in order, each run as three
+#: ops (norm, core, projection; :mod:`megatron_domino.engine.schedule`). ``GPTModel``'s
+#: ``TransformerLayer`` has both; a ``HybridModel``'s layers are named by their symbol in
+#: ``--hybrid-layer-pattern``: ``*`` a ``TransformerLayer`` with self-attention only, ``-`` an
+#: ``MLPLayer`` (the MLP only). Other symbols are refused
+#: (:data:`megatron_domino.refusal_table.HYBRID_LAYERS`).
+LAYER_SUBLAYERS: dict[str, tuple[str, ...]] = {
+    "transformer": ("attention", "mlp"),
+    "*": ("attention",),
+    "-": ("mlp",),
+}
+
+
+def block_layer_kinds(block: torch.nn.Module) -> list[str]:
+    """The kind of each layer of ``block`` (a ``TransformerBlock``: ``transformer``; a
+    ``HybridStack``: its layers' pattern symbols, this pipeline segment's)."""
+    symbols = getattr(block, "layer_type_list", None)
+    return list(symbols) if symbols is not None else ["transformer"] * len(block.layers)
+
+
+def targets_of(sublayers: tuple[str, ...]) -> tuple[Target, ...]:
+    """The targets of :data:`LAYER_PLAN` a layer with ``sublayers`` has."""
+    return tuple(t for t in LAYER_PLAN if t.sublayer in sublayers)
 
 
 def is_te_linear(module: torch.nn.Module) -> bool:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["HYBRID_MODEL", "REFUSALS", "Refusal", "config_refusals", "support_table"]
+__all__ = ["HYBRID_LAYERS", "REFUSALS", "Refusal", "config_refusals", "support_table"]
 
 BY_DESIGN, NOT_YET = "by design", "not yet"
 
@@ -64,15 +64,15 @@ def _above_one(value) -> bool:
 
 _CUDA_GRAPHS = "CUDA graphs bypass forward()"
 
-#: Megatron-Core 0.19's successor of ``GPTModel`` (issue 38), refused by the script and by
-#: :func:`megatron_domino.apply.apply_domino`.
-HYBRID_MODEL = Refusal(
-    "`HybridModel` (`--hybrid-layer-pattern`, Megatron-LM's `pretrain_hybrid.py`)",
-    "Domino's schedule binds a `GPTModel`'s `TransformerBlock` of attention + MLP layers; "
-    "a `HybridStack`'s attention-only (`*`) and MLP-only (`-`) layers are not bound yet",
+#: HybridModel's layers other than attention (``*``) and dense MLP (``-``), refused by
+#: :func:`megatron_domino.refusals.model_problems` (the layers Domino runs:
+#: :data:`megatron_domino.plan.LAYER_SUBLAYERS`).
+HYBRID_LAYERS = Refusal(
+    "`HybridModel` layers other than `*` and `-` (`E` MoE, `M` Mamba-2, `G` GDN, `D` DeepSeek "
+    "sparse attention, `+` MLA) and MTP",
+    "Domino's schedule runs attention and dense-MLP sub-layers only",
     NOT_YET,
-    "`GPTModel` with the same layers (`*-` per layer: `--num-layers N`, its checkpoints "
-    "load into `HybridModel`), or `pretrain_hybrid.py` without `--domino`",
+    "a pattern of `*` and `-` layers, or train without `--domino`",
 )
 
 #: Every refusal, in the order of the support table.
@@ -357,7 +357,7 @@ REFUSALS: tuple[Refusal, ...] = (
         "enable_mhc_connections",
         bool,
     ),
-    HYBRID_MODEL,
+    HYBRID_LAYERS,
     Refusal(
         "`mlp_chunks_for_training` > 1",
         "mlp_chunks_for_training splits the MLP inside the stock layer forward, which the "

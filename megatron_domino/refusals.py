@@ -25,20 +25,30 @@ from __future__ import annotations
 
 import torch
 from megatron.core.enums import Fp8Recipe
+from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType, LayerType
 from megatron.core.transformer.identity_op import IdentityFuncOp, IdentityOp
 from megatron.core.transformer.mlp import MLP
-from megatron.core.transformer.transformer_block import TransformerBlock, get_num_layers_to_build
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from megatron_domino.base.config import DominoConfig, DominoUnsupportedError
 from megatron_domino.base.version import check_transformer_engine_version
-from megatron_domino.plan import LAYER_PLAN, LINEARS, Target, is_te_core_attention, is_te_linear
-from megatron_domino.refusal_table import config_refusals
-from megatron_domino.specs.te_spec import TENormsApartLayer
+from megatron_domino.plan import (
+    LAYER_PLAN,
+    LAYER_SUBLAYERS,
+    LINEARS,
+    Target,
+    block_layer_kinds,
+    is_te_core_attention,
+    is_te_linear,
+    targets_of,
+)
+from megatron_domino.refusal_table import HYBRID_LAYERS, config_refusals
+from megatron_domino.specs.te_spec import TENormsApartLayer, TENormsApartMLPLayer
 
 __all__ = [
     "config_problems",
@@ -291,17 +301,22 @@ TE_FUSED_NORM_UNDER_SP = (
 )
 
 
-def te_sequence_parallel_problems(block: TransformerBlock) -> list[str]:
+def te_sequence_parallel_problems(block: torch.nn.Module) -> list[str]:
     """:data:`TE_FUSED_NORM_UNDER_SP` when a sequence-parallel block's TE layers fuse a norm
-    into a column linear (the layer's own norm is then ``IdentityOp``)."""
+    into a column linear (the norm of one of the layer's sub-layers is then ``IdentityOp``)."""
     if not block.config.sequence_parallel:
         return []
     fused = any(
-        isinstance(layer.input_layernorm, IdentityOp)
-        or isinstance(layer.pre_mlp_layernorm, IdentityOp)
-        for layer in block.layers
+        isinstance(_sublayer_norm(layer, sublayer), IdentityOp)
+        for layer, kind in zip(block.layers, block_layer_kinds(block), strict=True)
+        for sublayer in LAYER_SUBLAYERS.get(kind, ())
     )
     return [TE_FUSED_NORM_UNDER_SP] if fused else []
+
+
+def _sublayer_norm(layer: torch.nn.Module, sublayer: str) -> torch.nn.Module:
+    """The norm before ``sublayer`` in ``layer``."""
+    return layer.input_layernorm if sublayer == "attention" else layer.pre_mlp_layernorm
 
 
 def raise_problems(problems: list[str]) -> None:
@@ -312,14 +327,21 @@ def raise_problems(problems: list[str]) -> None:
         )
 
 
-def model_problems(block: TransformerBlock, config: DominoConfig) -> list[str]:
-    """Every reason Domino cannot run on this built block (empty when it can).
+def model_problems(block: torch.nn.Module, config: DominoConfig) -> list[str]:
+    """Every reason Domino cannot run on this built layer stack (a ``TransformerBlock`` or a
+    ``HybridStack``; empty when it can).
 
     Raises:
         DominoUnsupportedError: the installed Transformer Engine is too old for TE layers.
     """
-    tp_size = block.layers[0].self_attention.linear_proj.tp_group.size() if block.layers else 1
-    linears = [t.find(layer) for layer in block.layers for t in LINEARS]
+    tp_size = block.tp_group.size()
+    kinds = block_layer_kinds(block)
+    linears = [
+        t.find(layer)
+        for layer, kind in zip(block.layers, kinds, strict=True)
+        for t in targets_of(LAYER_SUBLAYERS.get(kind, ()))
+        if t in LINEARS
+    ]
     te_layers = any(is_te_linear(module) for module in linears if module is not None)
     if te_layers:
         check_transformer_engine_version()
@@ -329,20 +351,32 @@ def model_problems(block: TransformerBlock, config: DominoConfig) -> list[str]:
     problems += sharded_problems(block)
     if not block.layers:
         problems.append("the block has no layers")
+    refused = sorted({kind for kind in kinds if kind not in LAYER_SUBLAYERS})
+    if refused:
+        problems.append(
+            f"HybridModel layers {', '.join(map(repr, refused))}: {HYBRID_LAYERS.message}"
+        )
+    if getattr(block, "is_mtp_layer", False):
+        problems.append(f"a HybridModel MTP stack: {HYBRID_LAYERS.message}")
     if config.split_along == "sequence":
         problems += _sequence_split_problems(block)
-    for index, layer in enumerate(block.layers):
-        problems += [f"layer {index}: {p}" for p in layer_problems(layer)]
+    for index, (layer, kind) in enumerate(zip(block.layers, kinds, strict=True)):
+        if kind in LAYER_SUBLAYERS:
+            problems += [
+                f"layer {index}: {p}" for p in layer_problems(layer, LAYER_SUBLAYERS[kind])
+            ]
     return problems
 
 
-def _sequence_split_problems(block: TransformerBlock) -> list[str]:
-    """What the sequence split needs of the built layers: token ranges of a causal sequence,
-    attended by Megatron-Core's local attention or Transformer Engine's, each given a chunk's
-    queries against more keys (see :mod:`megatron_domino.engine.chunk_attention`; the config-level
-    needs are in :func:`config_problems`)."""
+def _sequence_split_problems(block: torch.nn.Module) -> list[str]:
+    """What the sequence split needs of the built layers' attention: token ranges of a causal
+    sequence, attended by Megatron-Core's local attention or Transformer Engine's, each given a
+    chunk's queries against more keys (see :mod:`megatron_domino.engine.chunk_attention`; the
+    config-level needs are in :func:`config_problems`)."""
     problems = []
-    for index, layer in enumerate(block.layers):
+    for index, (layer, kind) in enumerate(zip(block.layers, block_layer_kinds(block), strict=True)):
+        if "attention" not in LAYER_SUBLAYERS.get(kind, ()):
+            continue
         attention = getattr(layer, "self_attention", None)
         core = _CORE_ATTENTION.find(layer)
         te = is_te_core_attention(core)
@@ -365,22 +399,39 @@ def _sequence_split_problems(block: TransformerBlock) -> list[str]:
     return problems
 
 
-def layer_problems(layer: torch.nn.Module) -> list[str]:
-    """Structural checks: Domino calls these submodules itself, so they must be the stock ones
+#: The layer classes Domino runs: Megatron-Core's dense layer, its TE norms-apart variant, and
+#: HybridModel's MLP-only layer (a ``TransformerLayer`` whose attention is the identity) and its
+#: TE norms-apart variant.
+_LAYER_CLASSES = (TransformerLayer, TENormsApartLayer, MLPLayer, TENormsApartMLPLayer)
+
+
+def layer_problems(
+    layer: torch.nn.Module, sublayers: tuple[str, ...] = LAYER_SUBLAYERS["transformer"]
+) -> list[str]:
+    """Structural checks of a layer with ``sublayers``: Domino calls their submodules itself,
+    so they must be the stock ones
     (:class:`~megatron_domino.specs.te_spec.TENormsApartLayer` differs from Megatron's only in how it
-    saves and loads checkpoints)."""
-    if type(layer) not in (TransformerLayer, TENormsApartLayer) or layer.is_moe_layer:
+    saves and loads checkpoints), and a sub-layer the layer lacks must be Megatron's identity."""
+    if type(layer) not in _LAYER_CLASSES or layer.is_moe_layer:
         return [f"{type(layer).__name__} is not a dense Megatron-Core TransformerLayer"]
-    attention, mlp = layer.self_attention, layer.mlp
-    problems = []
-    if type(attention).forward is not SelfAttention.forward or type(mlp).forward is not MLP.forward:
+    modules = {"attention": (layer.self_attention, SelfAttention), "mlp": (layer.mlp, MLP)}
+    problems = [
+        f"its {sublayer} is {type(module).__name__}, where Domino runs no {sublayer} (the "
+        "hybrid layer pattern names which sub-layers a layer has)"
+        for sublayer, (module, _) in modules.items()
+        if sublayer not in sublayers and not isinstance(module, IdentityOp)
+    ]
+    present = [
+        (module, stock) for sublayer, (module, stock) in modules.items() if sublayer in sublayers
+    ]
+    if any(type(module).forward is not stock.forward for module, stock in present):
         problems.append(
-            f"{type(attention).__name__} / {type(mlp).__name__}: the schedule runs "
+            f"{' / '.join(type(module).__name__ for module, _ in present)}: the schedule runs "
             "Megatron-Core's SelfAttention and MLP forward (a fused variant such as TE's fused "
             "MLP runs fc1 and fc2 as one op); use the standard layer spec"
         )
         return problems
-    linears = {target: target.find(layer) for target in LINEARS}
+    linears = {target: target.find(layer) for target in targets_of(sublayers) if target in LINEARS}
     missing = sorted(target.name for target, module in linears.items() if module is None)
     if missing:
         problems.append(f"missing tensor-parallel linears: {missing}")
@@ -398,7 +449,7 @@ def layer_problems(layer: torch.nn.Module) -> list[str]:
     if (
         layer.offload_attn_norm
         or layer.offload_mlp_norm
-        or getattr(attention, "offload_attn_proj", False)
+        or getattr(layer.self_attention, "offload_attn_proj", False)
     ):
         problems.append("activation offloading is not supported")
     return problems

@@ -13,7 +13,8 @@ runs as it is. Each rank runs the script as ``__main__`` (``runpy``), with three
    loop needs to run without CUDA (with CUDA it only replaces the helpers' compilation);
 3. with ``CPU_LAUNCH_RECORD=PATH``, each rank writes ``PATH.rank<N>.json``: the loss and
    gradient norm of every iteration (from ``train_step``, unaveraged), the TP size Megatron
-   set up, whether Domino is bound to the model's transformer block, and the
+   set up, whether Domino is bound to the model's layer stack (a ``TransformerBlock`` or a
+   ``HybridStack``), and the
    ``megatron_domino`` modules imported by the end (the launcher's own runtime imports some;
    without ``--domino`` the patch must import none of the others).
 """
@@ -65,10 +66,12 @@ class _Recorder:
 
     def train_step(self, *args, **kwargs):
         from megatron.core import parallel_state
+        from megatron.core.models.hybrid.hybrid_block import HybridStack
         from megatron.core.transformer.transformer_block import TransformerBlock
 
         model = args[2] if len(args) > 2 else kwargs["model"]
-        blocks = [m for chunk in model for m in chunk.modules() if isinstance(m, TransformerBlock)]
+        stacks = (TransformerBlock, HybridStack)
+        blocks = [m for chunk in model for m in chunk.modules() if isinstance(m, stacks)]
         self.domino_bound = any("forward" in vars(block) for block in blocks)
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         result = self._train_step(*args, **kwargs)

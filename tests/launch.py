@@ -23,6 +23,10 @@ from lab.launch.script_ranks import run_script
 from megatron_domino.training.runs import cpu_flags, read_records
 
 SCRIPT = Path(__file__).resolve().parent.parent / "pretrain_gpt_domino.py"
+#: The same script on Transformer Engine's own Python over the CPU backend
+#: (``tests/pretrain_te_cpu.py``; run it with ``torchrun=True``: TE boots before Megatron-Core
+#: is imported, which the forked ranks have done already).
+TE_CPU_SCRIPT = Path(__file__).resolve().parent / "pretrain_te_cpu.py"
 
 #: Ranks on two cores, started (about 10 s of imports and initialisation), trained a few
 #: steps and checkpointed.
@@ -49,14 +53,15 @@ def run_pretrain(
     nproc: int | None = 2,
     expect_success: bool = True,
     torchrun: bool = False,
+    script: Path = SCRIPT,
 ) -> str:
-    """Run the script in ``cwd`` on ``nproc`` ranks (forked as in the module docstring, or
+    """Run ``script`` in ``cwd`` on ``nproc`` ranks (forked as in the module docstring, or
     under torchrun with ``torchrun``), or as one plain ``python`` process for ``None``; return
     its output, or fail showing it (unless ``expect_success`` is False: then it must fail, and
     its output is returned)."""
     env = {**os.environ, **ENV}
     if nproc is not None and not torchrun:
-        result = run_script(SCRIPT, flags, nproc=nproc, cwd=cwd, env=env, timeout_s=TIMEOUT_S)
+        result = run_script(script, flags, nproc=nproc, cwd=cwd, env=env, timeout_s=TIMEOUT_S)
         returncode, output = result.returncode, result.output
     else:
         launcher = [sys.executable]
@@ -64,7 +69,7 @@ def run_pretrain(
             launcher += ["-m", "torch.distributed.run", "--standalone"]
             launcher += ["--nproc-per-node", str(nproc)]
         done = subprocess.run(
-            [*launcher, str(SCRIPT), *flags],
+            [*launcher, str(script), *flags],
             cwd=cwd,
             env=env,
             capture_output=True,

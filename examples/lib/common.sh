@@ -269,6 +269,18 @@ synthetic data."
     FP8_RECIPE=${FP8_RECIPE:-delayed}
     [[ $FP8_RECIPE == delayed || $FP8_RECIPE == tensorwise || $FP8_RECIPE == blockwise ]] ||
         recipe_die "FP8_RECIPE=$FP8_RECIPE must be delayed, tensorwise or blockwise (the FP8 recipes Domino runs)."
+    # MODEL_CLASS: gpt (GPTModel, pretrain_gpt.py's) or hybrid (Megatron-Core's HybridModel,
+    # pretrain_hybrid.py's, where megatron-core 0.19 sends GPTModel users): MODEL's layers,
+    # each cut into an attention layer '*' and an MLP layer '-', the pattern split into PP
+    # segments by '|'. HybridModel's final norm is Transformer Engine's whatever the layers.
+    MODEL_CLASS=${MODEL_CLASS:-gpt}
+    [[ $MODEL_CLASS == gpt || $MODEL_CLASS == hybrid ]] ||
+        recipe_die "MODEL_CLASS=$MODEL_CLASS must be gpt or hybrid."
+    if [[ $MODEL_CLASS == hybrid ]]; then
+        ((VP == 1)) || recipe_die "MODEL_CLASS=hybrid with VP=$VP: Megatron-LM builds HybridModel without virtual pipeline stages; use VP=1."
+        ((CPU)) && [[ -z ${TRAIN_SCRIPT:-} ]] &&
+            recipe_die "MODEL_CLASS=hybrid with CPU=1: HybridModel's final norm is Transformer Engine's, which does not run on the CPU; in a checkout, TRAIN_SCRIPT=tests/pretrain_te_cpu.py runs TE's Python on its CPU backend."
+    fi
     # Megatron-LM 0.19 needs --eval-interval; its examples evaluate every 1000 iterations on
     # 10 batches, and once more after training (EVAL_ITERS=0: no evaluation at all).
     EVAL_INTERVAL=${EVAL_INTERVAL:-1000}
@@ -352,6 +364,16 @@ add SEQUENCE_PARALLEL=0 (with TRANSFORMER_IMPL=transformer_engine it is on by de
     fi
 }
 
+# recipe_hybrid_pattern: MODEL's NUM_LAYERS layers as HybridModel's pattern, '*-' per layer,
+# PP segments of NUM_LAYERS / PP layers joined by '|' (e.g. 4 layers on PP 2: '*-*-|*-*-').
+recipe_hybrid_pattern() {
+    local layers=${MODEL_CFG[NUM_LAYERS]} segment="" pattern="" i
+    ((layers % PP == 0)) || recipe_die "MODEL_CLASS=hybrid: $layers layers do not split into PP=$PP equal segments."
+    for ((i = 0; i < layers / PP; i++)); do segment+="*-"; done
+    for ((i = 0; i < PP; i++)); do pattern+="${pattern:+|}$segment"; done
+    echo "$pattern"
+}
+
 # recipe_pretrain_args DOMINO RUN_DIR: PRETRAIN_ARGS, the flags of one run, in groups.
 recipe_pretrain_args() {
     local domino=$1 run_dir=$2
@@ -387,8 +409,18 @@ recipe_pretrain_args() {
         GPT_MODEL_ARGS+=(--untie-embeddings-and-output-weights)
     # Under SP Domino runs TE's layer with its norms apart (megatron_domino/specs/te_spec.py: the same
     # parameters, checkpoint-compatible); both arms build it, so their weights start equal.
-    [[ $TRANSFORMER_IMPL == transformer_engine ]] && ((SEQUENCE_PARALLEL)) &&
+    if [[ $MODEL_CLASS == hybrid ]]; then
+        GPT_MODEL_ARGS+=(--hybrid-layer-pattern "$(recipe_hybrid_pattern)")
+        # The same layers cut in two (megatron_domino/specs/hybrid_spec.py): TE's norms apart
+        # under SP, Megatron's local layers with norms that run without Apex on the CPU.
+        if [[ $TRANSFORMER_IMPL == transformer_engine ]] && ((SEQUENCE_PARALLEL)); then
+            GPT_MODEL_ARGS+=(--spec megatron_domino.specs.te_hybrid_spec te_norms_apart_hybrid_stack_spec)
+        elif [[ $TRANSFORMER_IMPL == local ]]; then
+            GPT_MODEL_ARGS+=(--spec megatron_domino.specs.hybrid_spec local_hybrid_stack_spec)
+        fi
+    elif [[ $TRANSFORMER_IMPL == transformer_engine ]] && ((SEQUENCE_PARALLEL)); then
         GPT_MODEL_ARGS+=(--spec megatron_domino.specs.te_spec te_norms_apart_block_spec)
+    fi
 
     # GPT-3 and Llama-2 both train with AdamW(0.9, 0.95), weight decay 0.1, clipping at 1.0
     # and a cosine schedule to 10 % of the peak learning rate.

@@ -112,21 +112,24 @@ def token_batch(
 
 
 def fp32_reference_model(
-    options: GPTOptions, model: torch.nn.Module, *, spec: ModuleSpec | None = None
+    options: GPTOptions,
+    model: torch.nn.Module,
+    *,
+    spec: ModuleSpec | None = None,
+    build: Callable[..., torch.nn.Module] = build_gpt_model,
 ) -> torch.nn.Module:
     """This rank's model built in fp32 without FP8, holding ``model``'s bf16 weights cast to
     fp32: the exact maths both bf16 (or FP8) runs are measured against.
 
     ``model`` is the bf16 ``GPTModel`` built from ``options`` (bare or in ``Float16Module``),
-    with the layer ``spec`` it was built with if not the default one.
+    with the layer ``spec`` it was built with if not the default one; or another model
+    ``build(options, spec=spec)`` makes (e.g. a ``HybridModel`` of a given pattern).
     The reference is a model of its own, not ``model`` cast up: a bf16 ``TransformerConfig``
     also rounds inside the layers (e.g. the softmax output back to bf16), which the reference
     must not. It is built for the current parallel state and moved to ``model``'s device.
     """
     bare = getattr(model, "module", model)
-    reference = build_gpt_model(
-        dataclasses.replace(options, bf16=False, fp8_format=None), spec=spec
-    )
+    reference = build(dataclasses.replace(options, bf16=False, fp8_format=None), spec=spec)
     state = {
         name: value.float() if torch.is_tensor(value) and value.is_floating_point() else value
         for name, value in bare.state_dict().items()

@@ -36,7 +36,10 @@ _BATCH_SETTINGS = ("p2", "p4", "p2-k2", "p1-k2", "p2-autograd-order", "p2-serial
 #: embedding all-reduce and the last chunk's final one, which no schedule can hide: each
 #: weighs half as much there). ``llama-h1024-mb1`` has the
 #: other cases' 1024 tokens per micro-batch in one sample, where only the column split and the
-#: sequence split have something to split.
+#: sequence split have something to split. ``hybrid-h1024`` is ``gpt-h1024`` as Megatron-Core's
+#: ``HybridModel`` (``pattern``: each layer an attention ``*`` and an MLP ``-`` layer), the same
+#: computation and collectives: its overlap should be ``gpt-h1024``'s (its ranks run TE's
+#: Python on the CPU backend for ``HybridStack``'s final norm, :mod:`lab.bench.te_worker`).
 CASES = {
     "gpt-h1024": dict(model=_MODEL, micro_batch_size=4, settings=_BATCH_SETTINGS),
     "gpt-h1024-l8": dict(
@@ -46,6 +49,9 @@ CASES = {
     "llama-h1024": dict(model=_LLAMA, micro_batch_size=4, settings=_BATCH_SETTINGS),
     "gpt-h1024-sp": dict(
         model=dict(_MODEL, sequence_parallel=True), micro_batch_size=4, settings=_BATCH_SETTINGS
+    ),
+    "hybrid-h1024": dict(
+        model=_MODEL, pattern="*-" * 4, micro_batch_size=4, settings=_BATCH_SETTINGS
     ),
     "llama-h1024-mb1": dict(
         model=dict(_LLAMA, seq_length=1024),

@@ -183,7 +183,7 @@ def _run_worker(case: dict, iters: int, warmup: int) -> dict:
             "--master-port",
             str(port),
             "-m",
-            "lab.bench.worker",
+            "lab.bench.te_worker" if case.get("pattern") else "lab.bench.worker",
             "--case",
             json.dumps(case),
             "--iters",
@@ -267,6 +267,9 @@ def _chosen_rate(case: dict, args: argparse.Namespace) -> float:
 def _deepspeed_fields(name: str, case: dict) -> dict:
     """``{"deepspeed": True, "sdpa": True}`` where DeepSpeed's Domino can run the case; else
     nothing, saying why (the case still runs its other arms)."""
+    if case.get("pattern"):
+        print(f"  {name}: no DeepSpeed arm: DeepSpeed's Domino runs GPT blocks only", flush=True)
+        return {}
     options = GPTOptions(**case["model"])
     problems = deepspeed_problems(
         options, case["micro_batch_size"], case["model"].get("sequence_parallel", False)

@@ -253,13 +253,23 @@ def run_case(case: dict, iters: int, warmup: int) -> dict:
     return {**result, "link_stats": emulated.stats.as_dict()}
 
 
+def _build_model(case: dict, options: GPTOptions) -> torch.nn.Module:
+    """The case's model: a ``GPTModel`` (with SDPA attention for the DeepSpeed arm), or with
+    ``pattern`` Megatron-Core's ``HybridModel`` of it (:mod:`lab.models.hybrid_model`)."""
+    if case.get("pattern"):
+        from lab.models.hybrid_model import build_hybrid_model
+
+        return build_hybrid_model(options, case["pattern"])
+    return build_gpt_model(options, spec=sdpa_layer_spec(options) if case.get("sdpa") else None)
+
+
 def _run_arms(case: dict, iters: int, warmup: int, link: EmulatedLink | None) -> dict:
     options = GPTOptions(**case["model"])
     micro_batch_size = case["micro_batch_size"]
     device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    model = build_gpt_model(options, spec=sdpa_layer_spec(options) if case.get("sdpa") else None)
+    model = _build_model(case, options)
     batch = _batch(options, micro_batch_size, device)
-    tp_group = model.decoder.layers[0].self_attention.linear_proj.tp_group
+    tp_group = model.decoder.tp_group
     settings = {name: DominoConfig(**kw) for name, kw in case["domino"].items()}
     deepspeed_block = build_deepspeed_block(model) if case.get("deepspeed") else None
 

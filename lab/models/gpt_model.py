@@ -43,6 +43,7 @@ __all__ = [
     "causal_attention_mask",
     "layer_spec",
     "padded_vocab_size",
+    "stage_model_kwargs",
     "transformer_config",
 ]
 
@@ -188,15 +189,26 @@ def build_gpt_model(options: GPTOptions, *, spec: ModuleSpec | None = None) -> G
     computes the output (the others take their input through ``set_input_tensor``). It is
     not wrapped in ``Float16Module`` or DDP; the training loop does that.
     """
+    kwargs = stage_model_kwargs(options)
+    return GPTModel(
+        transformer_layer_spec=_block_spec(options, spec or layer_spec(options), kwargs["config"]),
+        **kwargs,
+    )
+
+
+def stage_model_kwargs(options: GPTOptions) -> dict:
+    """What Megatron-Core's ``GPTModel`` and ``HybridModel`` take alike for this rank's pipeline
+    stage: the ``TransformerConfig`` at the current TP and PP sizes, the padded vocabulary, the
+    positions, which of the model's ends the stage has, and whether the embedding and output
+    weights are tied."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     config = transformer_config(
         options,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
     )
-    return GPTModel(
+    return dict(
         config=config,
-        transformer_layer_spec=_block_spec(options, spec or layer_spec(options), config),
         vocab_size=padded_vocab_size(options.vocab_size, tp),
         max_sequence_length=options.resolved_max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

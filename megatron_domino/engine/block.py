@@ -1,7 +1,9 @@
-"""Domino's ``TransformerBlock.forward``: split into chunks, run the schedule, join, final norm.
+"""Domino's ``TransformerBlock.forward`` (and ``HybridStack.forward``): split into chunks, run
+the schedule, join, final norm.
 
 It replaces the stock forward of one block instance (see :mod:`megatron_domino.apply`)
-and keeps its contract: hidden states ``[s, b, h]`` in, ``[s, b, h]`` out after the final
+and keeps its contract (a ``HybridStack``'s is the same: ``HybridModel`` calls it with the
+same keyword arguments, and it groups full recompute into the same ranges): hidden states ``[s, b, h]`` in, ``[s, b, h]`` out after the final
 norm, called with keyword arguments by ``GPTModel``. What the stock forward does around the
 layer loop (viewless tensors, the final norm, the FP8 context, full activation recompute by
 ranges of layers, see :func:`layer_groups`) is done the same way; the features it handles
@@ -83,16 +85,17 @@ def domino_block_forward(
     groups = layer_groups(block)
     # Where the output layer takes its gradients per chunk, the last group runs the final norm
     # per chunk and hands the chunks over (megatron_domino.engine.output_head).
+    final_norm = final_norm_of(block)
     head = (
         runtime.head_overlap
         and torch.is_grad_enabled()
-        and block.final_layernorm is not None
+        and final_norm is not None
         and not chunk_major
         and not groups[-1][2]
     )
     with rng, fp8:
         for first, last, recomputed in groups:
-            final = block.final_layernorm if head and last == len(block.layers) else None
+            final = final_norm if head and last == len(block.layers) else None
             group = functools.partial(
                 run_group,
                 first=first,
@@ -109,10 +112,19 @@ def domino_block_forward(
     if chunk_major:
         hidden_states = from_chunk_major(hidden_states, runtime.config, runtime.tp_group)
 
-    if block.final_layernorm is not None and not head:
-        hidden_states = block.final_layernorm(hidden_states)
+    if final_norm is not None and not head:
+        hidden_states = final_norm(hidden_states)
         hidden_states = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
     return hidden_states
+
+
+def final_norm_of(block: torch.nn.Module) -> torch.nn.Module | None:
+    """The stack's final norm, or ``None`` where this pipeline stage has none: a
+    ``TransformerBlock``'s ``final_layernorm`` (``None`` there), a ``HybridStack``'s
+    ``final_norm`` (absent there)."""
+    if isinstance(block, TransformerBlock):
+        return block.final_layernorm
+    return getattr(block, "final_norm", None)
 
 
 def layer_groups(block: TransformerBlock) -> list[tuple[int, int, bool]]:

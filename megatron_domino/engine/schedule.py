@@ -4,8 +4,10 @@ The block input ``[s, b, h]`` is split into ``p`` chunks (:mod:`megatron_domino.
 along ``b`` into ``[s, b/p, h]`` (samples never interact inside a transformer, so each chunk
 runs the layer stack on its own), or along ``s`` into ``[s/p, b, h]`` (whose attention also
 reads the earlier chunks' keys, :mod:`megatron_domino.engine.chunk_attention`). Shapes below are
-written for the batch split. Each layer is, per chunk, six ops that call Megatron-Core's own
-submodules:
+written for the batch split. Each layer of a ``GPTModel`` is, per chunk, six ops that call
+Megatron-Core's own submodules, three per sub-layer (a ``HybridModel``'s ``*`` layer has the
+attention's three, its ``-`` layer the MLP's: :data:`megatron_domino.plan.LAYER_SUBLAYERS`;
+a layer's first norm op then also finishes the layer before, whichever sub-layer it ended with):
 
 =====================  =============================================================  =====
 op                     work (all on this chunk)                                       kind
@@ -21,7 +23,8 @@ mlp_core               mlp up to linear_fc2: fc1, activation                    
 mlp_projection         linear_fc2 GEMM (k pieces); launch its all-reduce(s)           R
 =====================  =============================================================  =====
 
-and a final ``finish`` (wait, mlp bias-dropout-add) after the last layer of a segment; where
+and a final ``finish`` (wait, the last sub-layer's bias-dropout-add) after the last layer of a
+segment; where
 the output layer takes its input gradient per chunk, the block's last finish also runs the
 final norm per chunk (:func:`with_head_wait`), and one more op, ``logits``, the chunk's
 output-layer GEMM (:func:`~megatron_domino.engine.output_head.chunk_logits`): one tick after chunk
@@ -126,17 +129,23 @@ from megatron_domino.engine.output_head import place_head_wait
 from megatron_domino.engine.state import ChunkState, DominoRuntime
 
 Op = Callable[[ChunkState], None]
+#: A ``GPTModel`` layer's sub-layers, in order.
+SUBLAYERS = ("attention", "mlp")
 
 
 class LayerOps:
-    """The ops of one :class:`TransformerLayer` for any chunk (see the module docstring).
+    """The ops of one layer for any chunk (see the module docstring): three per sub-layer.
 
     Args:
         runtime: the model's Domino runtime (step state, settings, recorder).
         layer: the Megatron-Core layer whose submodules the ops call.
         index: the layer's 0-based position in the block (for labels).
-        previous: the layer before in the same segment, whose MLP all-reduce this layer's
-            ``attention_norm`` finishes (inter-layer overlap); ``None`` for a segment's first.
+        previous: the layer before in the same segment, whose last all-reduce this layer's
+            first norm op finishes (inter-layer overlap); ``None`` for a segment's first.
+        sublayers: the layer's sub-layers in order (:data:`megatron_domino.plan.LAYER_SUBLAYERS`:
+            ``("attention", "mlp")`` for a ``TransformerLayer`` of a ``GPTModel``, one of them
+            for a ``HybridModel``'s ``*`` or ``-`` layer, whose other sub-layer is Megatron's
+            identity).
     """
 
     def __init__(
@@ -145,29 +154,31 @@ class LayerOps:
         layer: TransformerLayer,
         index: int,
         previous: LayerOps | None,
+        sublayers: tuple[str, ...] = SUBLAYERS,
     ) -> None:
         self.runtime = runtime
         self.layer = layer
         self.index = index
         self.previous = previous
+        self.sublayers = sublayers
+        #: The layer after in the same segment (set by :func:`run_layers`), for labels.
+        self.following: LayerOps | None = None
 
     def ops(self) -> list[tuple[str, Op]]:
+        """``(name, op)`` in the order a chunk runs them: per sub-layer its norm, core and
+        projection."""
         return [
-            ("attention_norm", self.attention_norm),
-            ("attention_core", self.attention_core),
-            ("attention_projection", functools.partial(self.projection, "attention")),
-            ("mlp_norm", self.mlp_norm),
-            ("mlp_core", self.mlp_core),
-            ("mlp_projection", functools.partial(self.projection, "mlp")),
+            op
+            for sublayer in self.sublayers
+            for op in (
+                (f"{sublayer}_norm", getattr(self, f"{sublayer}_norm")),
+                (f"{sublayer}_core", getattr(self, f"{sublayer}_core")),
+                (f"{sublayer}_projection", functools.partial(self.projection, sublayer)),
+            )
         ]
 
     def attention_norm(self, chunk: ChunkState) -> None:
-        if self.previous is not None:
-            self.previous.finish(chunk)
-        if chunk.pending_embedding is not None:
-            chunk.hidden, chunk.pending_embedding = chunk.pending_embedding.finish(), None
-        norm, hidden = self.layer.input_layernorm, chunk.hidden
-        chunk.linear_input = self._column_input(norm, hidden, chunk, "attention")
+        self._norm_op("attention", self.layer.input_layernorm, chunk)
 
     def attention_core(self, chunk: ChunkState) -> None:
         attention = self.layer.self_attention
@@ -193,15 +204,11 @@ class LayerOps:
             self.runtime, chunk, self.index, sublayer
         )
         if sequence_cuts:
-            waiting_op = "mlp_norm" if sublayer == "attention" else "attention_norm"
+            waiting_op = self._waiting_op(sublayer)
             chunk.pending.hand_on(lambda *outputs: self._cut(chunk, waiting_op, *outputs))
 
     def mlp_norm(self, chunk: ChunkState) -> None:
-        norm, hidden = (
-            self.layer.pre_mlp_layernorm,
-            self._bias_dropout_add(self.layer.self_attn_bda, chunk),
-        )
-        chunk.linear_input = self._column_input(norm, hidden, chunk, "mlp")
+        self._norm_op("mlp", self.layer.pre_mlp_layernorm, chunk)
 
     def mlp_core(self, chunk: ChunkState) -> None:
         self._finish_gather(chunk)
@@ -210,12 +217,46 @@ class LayerOps:
         chunk.dgrad_slot = None
 
     def finish(self, chunk: ChunkState) -> None:
-        """Wait for this layer's MLP all-reduce and add it to the residual stream."""
-        hidden = self._bias_dropout_add(self.layer.mlp_bda, chunk)
+        """Wait for this layer's last all-reduce and add it to the residual stream."""
+        hidden = self._bias_dropout_add(self._bda(self.sublayers[-1]), chunk)
         chunk.hidden = make_viewless_tensor(
             inp=hidden, requires_grad=hidden.requires_grad, keep_graph=True
         )
         chunk.residual = None
+
+    def _norm_op(self, sublayer: str, norm: torch.nn.Module, chunk: ChunkState) -> None:
+        """The norm op of ``sublayer``: its input is the layer's (:meth:`_layer_input`) for the
+        layer's first sub-layer, else the sub-layer before's output added to the residual
+        (after waiting for its all-reduce); ``norm`` of it, readied for the column linear."""
+        position = self.sublayers.index(sublayer)
+        if position == 0:
+            hidden = self._layer_input(chunk)
+        else:
+            hidden = self._bias_dropout_add(self._bda(self.sublayers[position - 1]), chunk)
+        chunk.linear_input = self._column_input(norm, hidden, chunk, sublayer)
+
+    def _layer_input(self, chunk: ChunkState) -> torch.Tensor:
+        """The layer's input ``[s, b/p, h]``: the layer before finished (inter-layer overlap), or
+        the chunk's embedding once its all-reduce is waited."""
+        if self.previous is not None:
+            self.previous.finish(chunk)
+        if chunk.pending_embedding is not None:
+            chunk.hidden, chunk.pending_embedding = chunk.pending_embedding.finish(), None
+        return chunk.hidden
+
+    def _bda(self, sublayer: str):
+        """The bias-dropout-add module that ends ``sublayer``."""
+        return self.layer.self_attn_bda if sublayer == "attention" else self.layer.mlp_bda
+
+    def _waiting_op(self, sublayer: str) -> str:
+        """The name of the op that waits for ``sublayer``'s row output: the next sub-layer's
+        norm, in this layer or the next of the segment, or ``finish``."""
+        position = self.sublayers.index(sublayer)
+        if position + 1 < len(self.sublayers):
+            return f"{self.sublayers[position + 1]}_norm"
+        if self.following is not None:
+            return f"{self.following.sublayers[0]}_norm"
+        return "finish"
 
     def _column_input(
         self, norm: torch.nn.Module, hidden: torch.Tensor, chunk: ChunkState, sublayer: str
@@ -332,7 +373,8 @@ class LayerOps:
 
 
 def segment_ops(layer_ops: list[LayerOps]) -> list[tuple[str, int, Op]]:
-    """The op sequence of one segment: six ops per layer, then the last layer's finish."""
+    """The op sequence of one segment: three ops per sub-layer of each layer, then the last
+    layer's finish."""
     sequence = [(name, ops.index, op) for ops in layer_ops for name, op in ops.ops()]
     sequence.append(("finish", layer_ops[-1].index, layer_ops[-1].finish))
     return sequence
@@ -427,10 +469,11 @@ def run_layers(
     segments: list[list[LayerOps]] = []
     for index, layer in enumerate(layers, start=first_index):
         previous = segments[-1][-1] if inter_layer and segments else None
-        ops = LayerOps(runtime, layer, index, previous)
+        ops = LayerOps(runtime, layer, index, previous, runtime.layer_sublayers[index])
         if previous is None:
             segments.append([ops])
         else:
+            previous.following = ops
             segments[-1].append(ops)
     for number, segment in enumerate(segments, start=1):
         sequence = segment_ops(segment)

@@ -158,6 +158,10 @@ class DominoRuntime:
         #: Where current-scaling FP8 casts reduce their amax (tensorwise + SP on TE layers;
         #: :mod:`megatron_domino.runtime.amax_group`), else ``None``.
         self.amax_group: dist.ProcessGroup | None = None
+        #: Per layer of the block, its sub-layers in order (``("attention", "mlp")``, or one of
+        #: them in a HybridModel: :data:`megatron_domino.plan.LAYER_SUBLAYERS`); set by
+        #: :func:`~megatron_domino.apply.apply_domino`.
+        self.layer_sublayers: tuple[tuple[str, ...], ...] = ()
         self.head_overlap = False
         self.chunk_logits: Callable[[DominoRuntime, ChunkState], None] | None = None
         self.head_handoff: HeadHandoff | None = None

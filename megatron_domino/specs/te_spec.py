@@ -41,6 +41,7 @@ import copy
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.gpt_layer_specs import get_mlp_module_spec_for_backend
+from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -52,6 +53,7 @@ from megatron_domino.specs.block_specs import refuse_features, stage_block
 
 __all__ = [
     "TENormsApartLayer",
+    "TENormsApartMLPLayer",
     "self_attention_spec",
     "te_norms_apart_block_spec",
     "te_norms_apart_layer_spec",
@@ -88,6 +90,12 @@ class TENormsApartLayer(TransformerLayer):
         return sharded
 
 
+class TENormsApartMLPLayer(TENormsApartLayer, MLPLayer):
+    """A ``HybridModel``'s MLP layer (``-``, Megatron-Core's ``MLPLayer``) of TE norms-apart
+    layers: its checkpoints are the fused TE MLP layer's, as :class:`TENormsApartLayer`'s are
+    (:mod:`megatron_domino.specs.hybrid_spec`)."""
+
+
 def _save_as_fused(module, state_dict, prefix, local_metadata) -> None:
     """``state_dict`` post-hook: the norms' entries under the fused layer's names."""
     for name in _NORM_EXTRA_STATES:
@@ -99,12 +107,14 @@ def _save_as_fused(module, state_dict, prefix, local_metadata) -> None:
 
 def _load_from_fused(module, state_dict, prefix, *args) -> None:
     """``load_state_dict`` pre-hook: the fused layer's names back to the norms', and the norms'
-    ``_extra_state`` as the modules hold it."""
+    ``_extra_state`` as the modules hold it (a HybridModel layer's absent norm, Megatron's
+    identity, has none)."""
     for apart, fused in FUSED_KEYS.items():
         for key in [key for key in state_dict if key.startswith(prefix + fused)]:
             state_dict[prefix + apart + key[len(prefix + fused) :]] = state_dict.pop(key)
         norm = getattr(module, apart.rstrip("."))
-        state_dict.setdefault(f"{prefix}{apart}_extra_state", norm.get_extra_state())
+        if not isinstance(norm, IdentityOp):
+            state_dict.setdefault(f"{prefix}{apart}_extra_state", norm.get_extra_state())
 
 
 def _te_backend():

@@ -115,7 +115,13 @@ def check_args(args: argparse.Namespace) -> DominoConfig | AutoTuner | None:
         problems = config_problems(
             transformer_config, config, tp_size=args.tensor_model_parallel_size, te_layers=te_layers
         )
-        return problems + ([TE_FUSED_NORM_UNDER_SP] if fused_te_norms else [])
+        fused = TE_FUSED_NORM_UNDER_SP
+        if args.hybrid_layer_pattern is not None:
+            fused = fused.replace(
+                "megatron_domino.specs.te_spec te_norms_apart_block_spec",
+                "megatron_domino.specs.te_hybrid_spec te_norms_apart_hybrid_stack_spec",
+            )
+        return problems + ([fused] if fused_te_norms else [])
 
     if args.domino_chunks == AUTO:
         raise_problems(fsdp)
@@ -173,9 +179,24 @@ class DominoModelHook:
             else "backward Megatron-Core's own (no backward collective in flight to order)"
         )
         return (
-            f"> Domino: {what!r} on {len(self._chunks)} model chunk(s), TP "
+            f"> Domino: {what!r} on {len(self._chunks)} model chunk(s){self._layers()}, TP "
             f"{parallel_state.get_tensor_model_parallel_world_size()}, sequence parallel "
             f"{'on' if sequence_parallel else 'off'}, {backward}"
+        )
+
+    def _layers(self) -> str:
+        """For a HybridModel: ``" of HybridModel pattern '*-*-' (Domino runs every layer: 2
+        attention, 2 MLP)"``; empty for a GPTModel."""
+        patterns = [getattr(chunk, "hybrid_layer_pattern", None) for chunk in self._chunks]
+        patterns = [p for p in patterns if p is not None]
+        if not patterns:
+            return ""
+        kinds = [k for handle in self.handles for k in handle.runtime.layer_sublayers]
+        attention = sum("attention" in k for k in kinds)
+        mlp = sum("mlp" in k for k in kinds)
+        return (
+            f" of HybridModel pattern {patterns[0]!r} (Domino runs every layer of this rank: "
+            f"{attention} attention, {mlp} MLP)"
         )
 
     @property

@@ -12,7 +12,9 @@ The order is Megatron-LM's, with Domino's pieces where Megatron-LM leaves room f
    the one :class:`~megatron_domino.base.config.DominoConfig` of the run), the flags this GPT path
    does not implement, and the files the run reads (:func:`.inputs.check_run_inputs`), so a
    bad command line or a bad input file fails before anything is written;
-3. the model config is Megatron-LM's (``gpt_config_from_args``), with Domino's pre-wrap hook
+3. the model config is Megatron-LM's (``gpt_config_from_args``, or with ``--hybrid-layer-pattern``
+   ``hybrid_config_from_args``: Megatron-Core's ``HybridModel``, as ``pretrain_hybrid.py`` builds
+   it), with Domino's pre-wrap hook
    (every model chunk, before ``Float16Module``/DDP;
    :func:`~megatron_domino.training.megatron_lm.add_hook`) and a check that the model-parallel layout
    and the TP RNG streams are the ones asked for;
@@ -41,7 +43,11 @@ from megatron.core.enums import ModelType
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.training import arguments as megatron_arguments
 from megatron.training import pretrain
-from megatron.training.argument_utils import gpt_config_from_args, pretrain_cfg_container_from_args
+from megatron.training.argument_utils import (
+    gpt_config_from_args,
+    hybrid_config_from_args,
+    pretrain_cfg_container_from_args,
+)
 
 from megatron_domino.base.config import (
     DominoConfig,
@@ -50,7 +56,6 @@ from megatron_domino.base.config import (
 )
 from megatron_domino.base.version import UnsupportedMegatronVersion, check_megatron_core_version
 from megatron_domino.data.files import DataFileError
-from megatron_domino.refusal_table import HYBRID_MODEL
 from megatron_domino.runtime.distributed import export_torchrun_environment
 from megatron_domino.runtime.patch import Patch
 from megatron_domino.training.flags import add_flags
@@ -89,14 +94,6 @@ def _script_checks(args: argparse.Namespace) -> DominoConfig | None:
     problems = loop_hook_problems(args)
     if problems:
         raise StartupError("\n".join(problems))
-    if getattr(args, "hybrid_layer_pattern", None) is not None:
-        raise StartupError(
-            f"--hybrid-layer-pattern {args.hybrid_layer_pattern!r} asks for Megatron-Core's "
-            "HybridModel, which pretrain_gpt_domino.py does not build and Domino does not run "
-            f"yet ({HYBRID_MODEL.why}): train the GPTModel with the same layers (`*-` per "
-            "layer: --num-layers N; its checkpoints load into HybridModel), or Megatron-LM's "
-            "pretrain_hybrid.py without --domino."
-        )
     domino_config = None
     if args.domino:
         from megatron_domino.training.megatron_lm import check_args
@@ -193,9 +190,17 @@ def _parse_args() -> tuple[argparse.Namespace, DominoConfig | None]:
     return args, checked[-1]
 
 
+def model_config_from_args(args: argparse.Namespace):
+    """Megatron-LM's model config: a ``HybridModelConfig`` with ``--hybrid-layer-pattern`` (as
+    Megatron-LM's ``pretrain_hybrid.py`` builds it), else a ``GPTModelConfig``."""
+    if args.hybrid_layer_pattern is not None:
+        return hybrid_config_from_args(args)
+    return gpt_config_from_args(args)
+
+
 def _run() -> None:
     args, domino_config = _parse_args()
-    model_config = gpt_config_from_args(args)
+    model_config = model_config_from_args(args)
     model_config.pre_wrap_hooks.append(functools.partial(_check_layout, args))
     hook = None
     if domino_config is not None:

@@ -26,10 +26,11 @@ import dataclasses
 
 import pytest
 import torch
+from ddp_training import differences, train_ddp
 from multiproc import run_on_ranks
 from tiny_models import TINY
 
-from lab.analysis.equivalence import TOLERANCES, token_batch
+from lab.analysis.equivalence import token_batch
 from lab.models.gpt_model import GPTOptions, build_gpt_model
 from megatron_domino.apply import apply_domino
 from megatron_domino.base.config import DominoConfig
@@ -150,30 +151,7 @@ def test_under_sequence_parallelism_the_serial_control_fails_it(orders):
 
 # --- Megatron DDP: overlap_grad_reduce, the distributed optimizer, micro-batches, steps ------
 
-CHUNKS, MICRO_BATCHES, STEPS, LR = 2, 2, 2, 1e-3
-FP32 = TOLERANCES[torch.float32]
-
-
-def _hooked_bucket_groups(ddp, names: dict, log: list):
-    """Record each bucket group's ``register_grad_ready`` calls of a last micro-batch (by
-    parameter name) and its ``start_grad_sync`` calls, in order, into ``log``."""
-    patches = contextlib.ExitStack()
-    for number, group in enumerate(ddp.bucket_groups):
-        register, start = group.register_grad_ready, group.start_grad_sync
-
-        def registered(param, *args, register=register, group=group, **kwargs):
-            if group.is_last_microbatch:
-                log.append(("ready", names[param]))
-            return register(param, *args, **kwargs)
-
-        def started(*args, start=start, number=number, **kwargs):
-            log.append(("sync", number))
-            return start(*args, **kwargs)
-
-        group.register_grad_ready, group.start_grad_sync = registered, started
-        patches.callback(setattr, group, "register_grad_ready", register)
-        patches.callback(setattr, group, "start_grad_sync", start)
-    return patches
+CHUNKS = 2
 
 
 def _ddp_training(config: DominoConfig | None, sequence_parallel: bool = False) -> dict:
@@ -184,7 +162,6 @@ def _ddp_training(config: DominoConfig | None, sequence_parallel: bool = False) 
     GEMM, its CPU stand-in)."""
     from fused_wgrad_stand_in import installed
 
-    torch.manual_seed(0)
     options = dataclasses.replace(
         OPTIONS,
         num_layers=2,
@@ -193,53 +170,7 @@ def _ddp_training(config: DominoConfig | None, sequence_parallel: bool = False) 
     )
     fusion = installed() if sequence_parallel else contextlib.nullcontext()
     with fusion:
-        return _train_ddp(options, config)
-
-
-def _train_ddp(options: GPTOptions, config: DominoConfig | None) -> dict:
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-    model = build_gpt_model(options)
-    ddp = DistributedDataParallel(
-        config=model.config,
-        ddp_config=DistributedDataParallelConfig(
-            overlap_grad_reduce=True, use_distributed_optimizer=True, bucket_size=20000
-        ),
-        module=model,
-    )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=LR, use_distributed_optimizer=True), [ddp]
-    )
-    names = {param: name for name, param in model.named_parameters()}
-    handle = apply_domino(ddp, config) if config is not None else contextlib.nullcontext()
-    steps = []
-    with handle:
-        for step in range(STEPS):
-            ddp.zero_grad_buffer()
-            optimizer.zero_grad()
-            losses, log = [], []
-            for micro_batch in range(MICRO_BATCHES):
-                last = micro_batch == MICRO_BATCHES - 1
-                with (
-                    contextlib.nullcontext() if last else ddp.no_sync(),
-                    _hooked_bucket_groups(ddp, names, log),
-                ):
-                    loss = ddp(**token_batch(options, 4, seed=10 * step + micro_batch)).mean()
-                    loss.backward()
-                    if last:
-                        log.append(("backward done", None))
-                losses.append(loss.item())
-            finalize_model_grads([ddp])
-            grads = {names[p]: p.main_grad.clone() for p in model.parameters()}
-            assert optimizer.step()[0]
-            steps.append(dict(losses=losses, grads=grads, log=log, buckets=len(ddp.bucket_groups)))
-    weights = {name: param.detach().clone() for name, param in model.named_parameters()}
-    return dict(steps=steps, weights=weights)
+        return train_ddp(options, config)
 
 
 def _ddp_arms() -> dict:
@@ -257,35 +188,9 @@ def ddp_arms() -> dict:
     return run_on_ranks(_ddp_arms, 2, timeout_s=300)[0]
 
 
-def _differences(run: dict, reference: dict) -> list[str]:
-    """Where ``run`` differs from ``reference`` beyond fp32 rounding: losses and main_grads per
-    step element-wise within the suite's fp32 tolerance (``TOLERANCES``); the weights after
-    Adam within a hundredth of its learning rate (Adam divides each gradient element by its
-    own running norm, so rounding in a near-zero element moves a weight by up to ``lr``)."""
-    found = []
-    steps = list(zip(run["steps"], reference["steps"], strict=True))
-    pairs = [
-        (f"step {i} {name}", step["grads"][name], ref["grads"][name], FP32)
-        for i, (step, ref) in enumerate(steps)
-        for name in ref["grads"]
-    ]
-    pairs += [
-        (f"step {i} losses", torch.tensor(step["losses"]), torch.tensor(ref["losses"]), FP32)
-        for i, (step, ref) in enumerate(steps)
-    ]
-    pairs += [
-        (f"weight {name}", run["weights"][name], weight, dict(rtol=0.0, atol=1e-2 * LR))
-        for name, weight in reference["weights"].items()
-    ]
-    for what, actual, expected, tolerance in pairs:
-        if not torch.allclose(actual, expected, **tolerance):
-            found.append(f"{what}: max diff {float((actual - expected).abs().max()):.2e}")
-    return found
-
-
 def test_ddp_overlap_and_distributed_optimizer_train_as_stock(ddp_arms):
     for arm, stock in (("legs", "stock"), ("autograd-order", "stock"), ("sp-legs", "sp-stock")):
-        assert not _differences(ddp_arms[arm], ddp_arms[stock]), arm
+        assert not differences(ddp_arms[arm], ddp_arms[stock]), arm
     assert ddp_arms["stock"]["steps"][1]["losses"] != ddp_arms["stock"]["steps"][0]["losses"]
 
 
@@ -296,7 +201,7 @@ def test_a_gradient_one_percent_off_fails_that_comparison(ddp_arms):
     }
     name = next(n for n in broken["steps"][1]["grads"] if n.endswith("linear_fc1.weight"))
     broken["steps"][1]["grads"][name] = broken["steps"][1]["grads"][name] * 1.01
-    assert [d.split(":")[0] for d in _differences(broken, ddp_arms["stock"])] == [f"step 1 {name}"]
+    assert [d.split(":")[0] for d in differences(broken, ddp_arms["stock"])] == [f"step 1 {name}"]
 
 
 def _ready_counts(log: list) -> dict[str, int]:

@@ -10,6 +10,7 @@ it is skipped, saying so, otherwise.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -139,6 +140,24 @@ def test_the_banner_names_config_chunks_tp_sp_and_the_backward(monkeypatch):
 MEGATRON_LM = os.environ.get("MEGATRON_LM")
 
 
+def _patched(name: str, launcher: str, tmp_path: Path) -> tuple[Path, list, dict, list]:
+    """For the patched Megatron-LM script ``name`` of the ``MEGATRON_LM`` checkout: the script,
+    the two-rank torchrun command that runs it under ``launcher`` (a path in this repository),
+    its environment (the checkout's ``megatron`` first) and the tiny model's flags."""
+    from launch import TINY_GPT
+
+    checkout = Path(MEGATRON_LM).resolve()
+    script = checkout / name
+    assert "help_lists_domino" in script.read_text(), f"{script}: apply the patch in patches/"
+    env = {**os.environ, "PYTHONPATH": str(checkout), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    env["OMP_NUM_THREADS"] = "1"
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    launch = [*torchrun, "--nproc-per-node", "2", str(REPO / launcher), str(script)]
+    common = [*TINY_GPT, "--tensor-model-parallel-size", "2", "--lr", "1e-3", *MOCK]
+    common += ["--use-cpu-initialization", "--data-cache-path", str(tmp_path / "cache")]
+    return script, launch, env, common
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     not MEGATRON_LM,
@@ -148,17 +167,7 @@ def test_patched_pretrain_gpt_on_two_cpu_ranks(tmp_path):
     """Megatron-LM's patched ``pretrain_gpt.py`` under ``patches/cpu_launch.py``: the banner
     once, the A/B line, the report against stock and their records; a refusal in one line;
     ``--help`` exit 0."""
-    checkout = Path(MEGATRON_LM).resolve()
-    script = checkout / "pretrain_gpt.py"
-    assert "help_lists_domino" in script.read_text(), f"{script}: apply the patch in patches/"
-    env = {**os.environ, "PYTHONPATH": str(checkout), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}
-    env["OMP_NUM_THREADS"] = "1"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    launch = [*torchrun, "--nproc-per-node", "2", str(REPO / "patches/cpu_launch.py"), str(script)]
-    from launch import TINY_GPT
-
-    common = [*TINY_GPT, "--tensor-model-parallel-size", "2", "--lr", "1e-3", *MOCK]
-    common += ["--use-cpu-initialization", "--data-cache-path", str(tmp_path / "cache")]
+    script, launch, env, common = _patched("pretrain_gpt.py", "patches/cpu_launch.py", tmp_path)
 
     def run(*flags: str) -> subprocess.CompletedProcess:
         return subprocess.run(
@@ -197,6 +206,39 @@ def test_patched_pretrain_gpt_on_two_cpu_ranks(tmp_path):
     )  # fmt: skip
     assert help_run.returncode == 0, help_run.stderr[-3000:]
     assert "--domino-ab N" in help_run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.te
+@pytest.mark.skipif(
+    not MEGATRON_LM,
+    reason="set MEGATRON_LM to a Megatron-LM core_r0.19.0 checkout with the patches applied",
+)
+def test_patched_pretrain_hybrid_on_two_cpu_ranks(tmp_path):
+    """Megatron-LM's patched ``pretrain_hybrid.py`` (``HybridModel``, pattern ``*-*-``, local
+    layers) under ``tests/cpu_launch_te.py``: without and with ``--domino``, the same losses
+    per iteration (to 1e-6 relative); Domino bound (its banner names the pattern) only with
+    ``--domino``."""
+    _, launch, env, common = _patched("pretrain_hybrid.py", "tests/cpu_launch_te.py", tmp_path)
+    common += ["--hybrid-layer-pattern", "*-*-", "--train-iters", "3"]
+    common += ["--attention-dropout", "0", "--hidden-dropout", "0"]  # chunks draw other masks
+    common += ["--spec", "megatron_domino.specs.hybrid_spec", "local_hybrid_stack_spec"]
+    losses, outputs = {}, {}
+    for arm, flags in (("stock", []), ("domino", ["--domino"])):
+        record = tmp_path / arm
+        done = subprocess.run(
+            [*launch, *common, *flags], cwd=tmp_path, env={**env, "CPU_LAUNCH_RECORD": str(record)},
+            capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        outputs[arm] = done.stdout + done.stderr
+        assert done.returncode == 0, outputs[arm][-5000:]
+        iterations = json.loads(Path(f"{record}.rank0.json").read_text())["iterations"]
+        losses[arm] = [iteration["loss"] for iteration in iterations]
+    assert "of HybridModel pattern '*-*-'" in outputs["domino"]
+    assert "> Domino" not in outputs["stock"]
+    assert len(losses["stock"]) == 3
+    assert losses["domino"] == pytest.approx(losses["stock"], rel=1e-6)
+    print(f"patched pretrain_hybrid.py: losses {losses['domino']}")
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])

@@ -209,6 +209,37 @@ def test_fp8_and_local_layer_knobs_reach_the_flags(monkeypatch):
     assert args.transformer_impl == "local" and not args.sequence_parallel
 
 
+def test_model_class_hybrid_builds_the_hybrid_model_of_the_same_layers(monkeypatch):
+    """MODEL_CLASS=hybrid: Megatron-Core's HybridModel of MODEL's layers, '*-' per layer and
+    '|' between PP segments, with Domino's hybrid spec (TE's norms apart under SP); refused
+    before launch with VP > 1, and on the CPU without a TE-running TRAIN_SCRIPT."""
+    done = run_script(
+        SCRIPTS["srun"], MODEL="llama3-8b", MOCK="1", DOMINO="1", MODEL_CLASS="hybrid", PP="2",
+        NNODES="2",
+    )  # fmt: skip
+    [(_, flags)] = launches(done.stdout)
+    assert option(flags, "--hybrid-layer-pattern") == "|".join(["*-" * 16] * 2)
+    assert flags[flags.index("--spec") + 1 :][:2] == [
+        "megatron_domino.specs.te_hybrid_spec", "te_norms_apart_hybrid_stack_spec",
+    ]  # fmt: skip
+    args = accepted(flags, world_size=16, monkeypatch=monkeypatch)
+    assert args.num_layers == 64 and args.sequence_parallel and args.domino
+    for knobs, message in (
+        ({"VP": "2"}, "MODEL_CLASS=hybrid with VP=2"),
+        ({"CPU": "1"}, "TRAIN_SCRIPT=tests/pretrain_te_cpu.py"),
+        ({"MODEL_CLASS": "mamba"}, "MODEL_CLASS=mamba must be gpt or hybrid"),
+    ):
+        refused = run_script(
+            SCRIPTS["srun"],
+            check=False,
+            MOCK="1",
+            NNODES="2",
+            PP="2",
+            **{"MODEL_CLASS": "hybrid", **knobs},
+        )
+        assert refused.returncode == 1 and message in refused.stderr, (knobs, refused.stderr)
+
+
 @pytest.mark.parametrize(
     ("knobs", "message"),
     [

@@ -363,3 +363,30 @@ def test_the_h100_configuration_is_preempted_requeued_and_resumed(slurm, tmp_pat
     assert list(resumed) == list(range(1, TE_ITERS + 1))
     assert resumed == uninterrupted
     print(f"TE job saved at iteration {saved}, resumed, final {TE_ITERS}")
+
+
+# --- Megatron-Core's HybridModel (MODEL_CLASS=hybrid) ------------------------------------
+
+
+def test_a_hybrid_model_job_trains_with_domino(slurm, tmp_path):
+    """srun style, MODEL_CLASS=hybrid: the tiny model's layers as HybridModel's ``*-*-`` (TE's
+    Python on the CPU backend for its final norm, Megatron's local layers), with Domino: the
+    job completes, Domino's banner names the pattern, every iteration trains."""
+    from te_cpu import te_home
+
+    repo = Path(__file__).resolve().parents[2]
+    knobs = job_knobs(
+        tmp_path, MODEL_CLASS="hybrid", DOMINO="1", TRAIN_ITERS="20",
+        TRAIN_SCRIPT=str(repo / "tests" / "pretrain_te_cpu.py"), PYTHONPATH=str(repo),
+        MEGATRON_DOMINO_TE_HOME=str(te_home()),
+    )  # fmt: skip
+    job = slurm.submit(
+        "pretrain_gpt_srun.sh", knobs=knobs, sbatch_args=ASKED, output=tmp_path / "out",
+        timeout=JOB_TIMEOUT,
+    )  # fmt: skip
+    report(job, "pretrain_gpt_srun.sh, MODEL_CLASS=hybrid")
+    assert job.completed, job.output[-3000:]
+    train_log = (tmp_path / "run" / "train.log").read_text()
+    assert "--hybrid-layer-pattern" in train_log and "local_hybrid_stack_spec" in train_log
+    assert "of HybridModel pattern '*-*-'" in train_log
+    assert list(losses(tmp_path / "run" / "log.jsonl")) == list(range(1, 21))

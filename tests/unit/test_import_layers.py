@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("megatron_domino.training",),  # the entry point, its loop hooks, the patch's API
     ("megatron_domino.analysis",),  # --domino-report
     ("megatron_domino",),  # the API: apply, plan, refusals, autotune
+    ("megatron_domino.specs.te_hybrid_spec",),  # TE's hybrid stack, built when asked for
     ("megatron_domino.specs",),  # the --spec layers
     ("megatron_domino.engine",),  # the chunked schedule
     ("megatron_domino.communication",),  # collectives in flight

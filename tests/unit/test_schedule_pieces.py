@@ -125,18 +125,33 @@ def test_the_tick_order_is_launch_first_only_with_legs_and_without_sequence_para
 class _FakeLayerOps:
     """Stands in for :class:`schedule.LayerOps`: records the segment links it was given."""
 
-    def __init__(self, runtime, layer, index, previous):
-        self.index, self.previous = index, previous
+    def __init__(self, runtime, layer, index, previous, sublayers):
+        self.index, self.previous, self.sublayers = index, previous, sublayers
+        self.following = None
 
     def ops(self):
-        return [(name, None) for name in LAYER_OPS]
+        return [
+            (f"{sublayer}_{op}", None)
+            for sublayer in self.sublayers
+            for op in ("norm", "core", "projection")
+        ]
 
     def finish(self, chunk):
         pass
 
 
-def _segments(monkeypatch, inter_layer: bool, layers: int, final_layernorm=None, chunk_logits=None):
-    """The op sequences :func:`schedule.run_layers` hands the wavefront, one per segment."""
+def _segments(
+    monkeypatch,
+    inter_layer: bool,
+    layers: int,
+    final_layernorm=None,
+    chunk_logits=None,
+    sublayers=None,
+):
+    """The op sequences :func:`schedule.run_layers` hands the wavefront, one per segment, for
+    ``layers`` layers from block position 5 (each a GPT layer, or with ``sublayers`` the
+    sub-layers of each)."""
+    sublayers = sublayers or [schedule.SUBLAYERS] * layers
     sequences = []
     monkeypatch.setattr(schedule, "LayerOps", _FakeLayerOps)
     monkeypatch.setattr(
@@ -147,6 +162,7 @@ def _segments(monkeypatch, inter_layer: bool, layers: int, final_layernorm=None,
         chunk_logits=chunk_logits,
         step=SimpleNamespace(legs=None),
         sequence_parallel=False,
+        layer_sublayers=(None,) * 5 + tuple(sublayers),
     )
     schedule.run_layers(
         runtime, [object()] * layers, [], first_index=5, final_layernorm=final_layernorm
@@ -158,6 +174,21 @@ def test_inter_layer_overlap_makes_the_stack_one_segment(monkeypatch):
     (sequence,) = _segments(monkeypatch, inter_layer=True, layers=3)
     assert [(name, layer) for name, layer, _ in sequence] == [
         *((name, layer) for layer in (5, 6, 7) for name in LAYER_OPS),
+        ("finish", 7),
+    ]
+
+
+def test_a_hybrid_stack_runs_three_ops_per_sub_layer_of_each_layer(monkeypatch):
+    """A HybridModel's ``*-*`` layers: the attention's three ops, the MLP's, the attention's,
+    then the last layer's finish (which ends its attention)."""
+    kinds = [("attention",), ("mlp",), ("attention",)]
+    (sequence,) = _segments(monkeypatch, inter_layer=True, layers=3, sublayers=kinds)
+    assert [(name, layer) for name, layer, _ in sequence] == [
+        *(
+            (f"{s}_{op}", layer)
+            for layer, (s,) in zip((5, 6, 7), kinds, strict=True)
+            for op in ("norm", "core", "projection")
+        ),
         ("finish", 7),
     ]
 
