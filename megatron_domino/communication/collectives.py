@@ -200,14 +200,12 @@ def _sublayer_sites(sublayer: str, norm_op: str, core_op: str, wait_op: str):
             labels.input_ag,
             REDUCE_SCATTER,
             "bwd",
-            (
-                "engine.backward_overlap:_ColumnLinearAsyncDgrad.backward",
-                "communication.sequence_parallel:InputGradientScatter.launch",
-            ),
+            ("communication.sequence_parallel:InputGradientScatter.launch",),
             ("communication.sequence_parallel:_GatherLaunch.backward",),
             f"SP: {column}'s input gradient [s, b/p, h] -> [s/tp, b/p, h] ({labels.input_ag}'s "
             "backward twin, same slot), launched between the linear's dgrad and dW GEMMs "
-            "(on Transformer Engine's linear, after its backward: "
+            "(engine.backward_overlap:_ColumnLinearAsyncDgrad.backward; on Transformer "
+            "Engine's linear, after its backward: "
             "communication.sequence_parallel:_GatherWait.backward)",
             f"launched last by the leg {core_op} (K), waited first by the chunk's leg {norm_op} "
             "(N); between them another chunk's projection leg (R) at p = 2",

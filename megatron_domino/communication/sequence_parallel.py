@@ -69,8 +69,8 @@ class _GatherWait(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_full: torch.Tensor):
-        if not ctx.slot.pending:
-            ctx.slot.reduce_scatter(grad_full, "bwd")
+        if not ctx.slot.pending:  # Transformer Engine's linear: after its whole backward
+            InputGradientScatter(ctx.slot).launch(grad_full)
         return ctx.slot.output_in_flight(), None
 
 

@@ -144,12 +144,13 @@ def test_other_recipes_are_refused_with_the_reason(recipe, expected):
     assert expected in message and "delayed, tensorwise or blockwise" in message, message
 
 
-def _blockwise_step() -> dict:
+def _blockwise_step(seq_length: int = 64) -> dict:
     """Blockwise FP8 + SP, h = 256 (two 1 x 128 tiles per token), stock's fused layer and Domino
     (p = 2) from the same weights: the largest per-token loss difference, and each arm's TP
-    bytes per direction. At 32 tokens per chunk and rank TE gathers in bf16 and casts the
-    gathered tensor (its fallback for shapes not divisible by 128, synchronous; its FP8 block
-    gather coalesces NCCL collectives, which gloo lacks)."""
+    bytes per direction. At ``seq_length`` 64, 32 tokens per chunk and rank: TE gathers in bf16
+    and casts the gathered tensor (its fallback for shapes not divisible by 128, synchronous).
+    At 512, 256: TE's FP8 block gather (its NCCL-coalesced data and scale gathers; on gloo run
+    one by one, :mod:`te_cpu.coalescing`)."""
 
     from lab.analysis.collective_bytes import CollectiveBytes
     from lab.analysis.equivalence import token_batch
@@ -160,7 +161,7 @@ def _blockwise_step() -> dict:
 
     options = GPTOptions(
         num_layers=2, hidden_size=256, num_attention_heads=8, num_query_groups=4,
-        ffn_hidden_size=512, seq_length=64, vocab_size=512, **LLAMA_FLAVOUR,
+        ffn_hidden_size=512, seq_length=seq_length, vocab_size=512, **LLAMA_FLAVOUR,
         sequence_parallel=True, transformer_impl="transformer_engine", bf16=True,
         fp8_format="hybrid", fp8_recipe="blockwise",
     )  # fmt: skip
@@ -205,6 +206,18 @@ def test_blockwise_forward_is_stocks_bit_for_bit_and_tp_bytes_are_stocks():
     # 32 tokens per chunk and rank: TE's gather is synchronous, and Domino says so, once.
     (said,) = found["synchronous"]
     assert "32 tokens synchronously" in said and "multiple of 128" in said, said
+
+
+def test_blockwise_fp8_block_gather_forward_is_stocks_bit_for_bit():
+    """At 256 tokens per chunk and rank TE's FP8 block all-gather runs (the FP8 bits and the
+    1 x 128 tiles' scales, gathered and interleaved by TE's own code), in stock's fused layer
+    and in Domino's gathers, where before this shape failed on the CPU (gloo refuses TE's
+    coalesced gather); Domino's forward is stock's bit for bit, its TP bytes stock's, and
+    nothing is gathered synchronously (no warning)."""
+    found = run_on_ranks(_blockwise_step, 2, args=(512,), te=True)[0]
+    assert found["error"] == 0.0, found
+    assert found["domino"] == found["stock"], found
+    assert found["synchronous"] == [], found
 
 
 def _reordered_quantizers() -> str:

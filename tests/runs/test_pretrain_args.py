@@ -136,11 +136,6 @@ def checked(
             "- p2, p2-k2, p4, p4-k2, p1-k2, s2, s4: CUDA graphs bypass forward()",
         ),
         (["--sft"], entry.StartupError, "does not implement --sft"),
-        (
-            [*TP2_DOMINO, "--hybrid-layer-pattern", "*-*-"],
-            entry.StartupError,
-            "--hybrid-layer-pattern '*-*-' asks for Megatron-Core's HybridModel",
-        ),
         (["--domino-report"], entry.StartupError, "--domino-report reports Domino's overlap"),
         (
             ["--distributed-backend", "nccl"],

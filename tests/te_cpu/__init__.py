@@ -15,7 +15,9 @@ here, using TE's own switches and nothing of its code:
    ``torch.compile`` around TE's fusions);
 2. the backend module below registered as ``transformer_engine_torch``, and TE's
    ``load_framework_extension`` (which would load the ``.so``) made a no-op;
-3. TE's CUDA questions answered for TE's callers only (:mod:`te_cpu.cuda_answers`).
+3. TE's CUDA questions answered for TE's callers only (:mod:`te_cpu.cuda_answers`);
+4. gloo given a coalescing manager that runs each collective as issued
+   (:mod:`te_cpu.coalescing`), for TE's FP8 block all-gather.
 
 The backend is the extension's functions that a step of TE's ``Linear``,
 ``LayerNormLinear``, norms and unfused attention calls (:mod:`te_cpu.gemm`,
@@ -45,10 +47,12 @@ _CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 def te_home() -> Path:
-    """The folder holding the ``transformer_engine`` package the TE tests run."""
+    """The folder holding the ``transformer_engine`` package the TE tests run:
+    ``MEGATRON_DOMINO_TE_HOME`` (a relative one, as the Makefile passes it, is the checkout's,
+    whatever folder a test's subprocess runs in), else the suite's release in ``.venv``."""
     home = os.environ.get("MEGATRON_DOMINO_TE_HOME")
     if home:
-        return Path(home)
+        return Path(home) if Path(home).is_absolute() else _CHECKOUT / home
     return _CHECKOUT / ".venv" / f"transformer-engine-{SUITE_TE_VERSION}"
 
 
@@ -114,9 +118,11 @@ def boot() -> types.ModuleType:
     sys.path.insert(0, str(home))
     os.environ["NVTE_PROJECT_BUILDING"] = "1"
     os.environ["NVTE_TORCH_COMPILE"] = "0"
+    from te_cpu.coalescing import coalesce_on_gloo
     from te_cpu.cuda_answers import answer_te_cuda_questions
 
     answer_te_cuda_questions()
+    coalesce_on_gloo()
     sys.modules[_MODULE] = _extension()
     import transformer_engine.common
 

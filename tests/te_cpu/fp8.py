@@ -44,10 +44,21 @@ __all__ = [
     "fp8_transpose",
     "fused_amax_and_scale_update_after_reduction",
     "quantize",
+    "swap_first_dims",
     "values",
 ]
 
 _FP32_MAX = torch.finfo(torch.float32).max
+
+
+def swap_first_dims(tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``tensor`` ``[a, b, ...]`` as ``[b, a, ...]`` (into ``out`` when given): TE's FP8 block
+    all-gather puts each rank's rows of a transposed buffer back in order with it
+    (``pytorch/distributed.py``, ``_finish_all_gather_fp8_blockwise``)."""
+    swapped = tensor.transpose(0, 1)
+    if out is None:
+        return swapped.contiguous()
+    return out.copy_(swapped)
 
 
 def _transpose_shape(shape) -> list[int]:
