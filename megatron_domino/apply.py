@@ -3,7 +3,7 @@
 ``apply_domino(model, config)`` binds Domino's ``forward`` onto *instances* of the model's
 layer stack (a ``GPTModel``'s ``TransformerBlock``, a ``HybridModel``'s ``HybridStack``) and of
 the layer modules :data:`megatron_domino.plan.LAYER_PLAN` names for each layer's sub-layers
-(tensor-parallel linears; core attentions under the sequence split), and onto a ``GPTModel``'s two
+(tensor-parallel linears; core attentions under the sequence split), and onto the model's two
 ends where they can take part (:data:`megatron_domino.plan.MODEL_ENDS`: the embedding's
 all-reduce launched per chunk, the output layer's input gradient all-reduced per chunk). The classes stay
 untouched, so an unpatched model in the same process (e.g. the baseline of an A/B test) is
@@ -57,6 +57,13 @@ def _hybrid_stack_class() -> type:
     return HybridStack
 
 
+def _hybrid_model_class() -> type:
+    """Megatron-Core's ``HybridModel`` (imported when asked, as :func:`_hybrid_stack_class`)."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    return HybridModel
+
+
 class DominoHandle:
     """What ``apply_domino`` bound, so it can be reverted; also a context manager.
 
@@ -93,8 +100,7 @@ def apply_domino(
         model: a Megatron-Core ``GPTModel`` (one pipeline stage or virtual-stage chunk of
             it) built from the local or the Transformer Engine layer spec, bare or wrapped
             (DDP, Float16Module): its single ``TransformerBlock`` is found by type; or a
-            ``HybridModel`` whose pattern has ``*`` and ``-`` layers only (its ``HybridStack``;
-            its embedding and output layer stay stock).
+            ``HybridModel`` whose pattern has ``*`` and ``-`` layers only (its ``HybridStack``).
         config: the Domino settings.
         recorder: an :class:`~megatron_domino.base.recorder.EventRecorder` to record the schedule.
     Raises:
@@ -131,7 +137,8 @@ def apply_domino(
             if forward is not None:
                 module.forward = functools.partial(forward, module, runtime=runtime)
                 patched.append(module)
-    models = [m for m in model.modules() if isinstance(m, GPTModel)]
+    language_models = (GPTModel, _hybrid_model_class())
+    models = [m for m in model.modules() if isinstance(m, language_models)]
     for end, module in model_end_forwards(models[0], config) if len(models) == 1 else []:
         module.forward = functools.partial(end.forward, module, runtime=runtime)
         patched.append(module)

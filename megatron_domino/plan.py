@@ -27,7 +27,8 @@ target                             kind            Domino's forward (local / TE)
 ``mlp.linear_fc2``                 row             as ``linear_proj``
 =================================  ==============  =======================================
 
-At the model's two ends (:data:`MODEL_ENDS`, on the ``GPTModel`` of a pipeline stage, where
+At the model's two ends (:data:`MODEL_ENDS`, on the ``GPTModel`` or ``HybridModel`` of a pipeline
+stage, where
 its check finds nothing against it): ``embedding``
 (:func:`.embedding_overlap.embedding_forward`) and, with backward overlap, ``output_layer``
 (:func:`.output_head.output_layer_forward`).
@@ -182,7 +183,8 @@ def layer_forward(target: Target, module: torch.nn.Module, config: DominoConfig)
 
 @dataclass(frozen=True)
 class ModelEnd:
-    """A module of the ``GPTModel`` outside the block whose collective Domino may take over.
+    """A module of the language model (``GPTModel``, ``HybridModel``) outside the layer stack whose
+    collective Domino may take over.
 
     Attributes:
         attribute: the model's attribute (``embedding``, ``output_layer``).

@@ -69,7 +69,8 @@ __all__ = [
 
 def output_layer_problems(model: torch.nn.Module, chunks: int) -> list[str]:
     """Why ``model``'s output layer cannot take its ``chunks`` chunks' gradients in flight
-    (module docstring); empty when it can. ``model`` is a ``GPTModel`` (one pipeline stage)."""
+    (module docstring); empty when it can. ``model`` is a ``GPTModel`` or ``HybridModel`` (one
+    pipeline stage)."""
     head = getattr(model, "output_layer", None)
     if not getattr(model, "post_process", False) or head is None:
         return ["this pipeline stage has no output layer"]

@@ -1,19 +1,20 @@
 """Domino on Megatron-Core's ``HybridModel`` (megatron-core 0.19's successor of ``GPTModel``,
 ``--hybrid-layer-pattern``), against the unpatched ``HybridModel`` on the same weights and
-data, on TP = 2 ranks. Built from :mod:`lab.models.hybrid_model` (the ``*`` and ``-`` layers are
+data, on TP = 2 (and 4) ranks. Built from :mod:`lab.models.hybrid_model` (the ``*`` and ``-`` layers are
 the halves of the GPT layer spec); its final norm is TE's, so the ranks boot TE's Python on the
 CPU backend.
 
 * **One step**, loss and every gradient (:func:`compare_with_stock`) and the revert bit-exact,
   for attention and MLP layers in two orders (``*-*-``, ``**--``): Megatron's local layers with
-  the batch split (p 2, 4) and the sequence split, with and without sequence parallelism, with
-  full recompute; TE's norms-apart layers under SP, in fp32 and in bf16 with FP8 (delayed
+  the batch split (p 2, 4) and the sequence split at TP 2 and 4, with and without sequence
+  parallelism, with full recompute; TE's norms-apart layers under SP, in fp32 and in bf16 with FP8 (delayed
   scaling, held to the bf16 rule against an fp32 reference, as ``GPTModel`` is).
 * **Training**: Megatron DDP with ``overlap_grad_reduce`` and the distributed optimizer, two
   Adam steps of two micro-batches (``tests/ddp_training.py``): losses, every ``main_grad`` and
   the weights as stock's.
 * **The controls**: one gradient 1 % off in Domino's run is flagged; each layer's recorded
-  collectives are its own sub-layer's (a ``*`` layer launches no MLP collective).
+  collectives are its own sub-layer's (a ``*`` layer launches no MLP collective), and the
+  model's two ends are Domino's as on ``GPTModel``.
 
 Pipeline segments (``*-|*-`` on PP 2) train through Megatron-LM's loop in
 ``tests/runs/test_pretrain_hybrid.py``.
@@ -135,16 +136,33 @@ def test_hybrid_model_matches_stock_for_every_pattern_and_setting(compared):
                 assert row["max_error"] < 1e-6, (case, pattern, name, row["max_error"])
 
 
+def test_at_tp4_local_layers_match_stock():
+    """The local case (p2, s2, p4; ``*-*-`` and ``**--``) on four TP ranks."""
+    found = run_on_ranks(_compare, 4, args=("local", False), te=True, timeout_s=300)[0]
+    for pattern, result in found.items():
+        assert result["reverted"], pattern
+        for name, row in result["settings"].items():
+            assert row["passed"] and row["max_error"] < 1e-6, (pattern, name, row["mismatches"])
+
+
 def test_each_layer_runs_its_own_sub_layers_collectives(compared):
     """The recorded collectives of each layer are its sub-layer's (``attention_*`` for ``*``,
-    ``mlp_*`` for ``-``), and every layer has some."""
+    ``mlp_*`` for ``-``), and every layer has some; without SP the model's two ends (the
+    embedding's all-reduce, the output layer's input gradient) are Domino's, per chunk."""
     case, found = compared
     for pattern, result in found.items():
         for name, row in result["settings"].items():
             for layer, symbol in enumerate(pattern):
-                sublayers = {c.split("_")[0] for c, at in row["collectives"] if at == layer}
+                sublayers = {
+                    c.split("_")[0]
+                    for c, at in row["collectives"]
+                    if at == layer and c.startswith(("attention_", "mlp_"))
+                }
                 expected = {"attention" if symbol == "*" else "mlp"}
                 assert sublayers == expected, (case, pattern, name, layer, row["collectives"])
+            if case == "local":  # the model's two ends are Domino's, as on GPTModel
+                ends = {c for c, _ in row["collectives"]} & {"embedding_ar", "head_dgrad_ar"}
+                assert ends == {"embedding_ar", "head_dgrad_ar"}, (pattern, name, ends)
 
 
 def test_one_gradient_off_by_one_percent_is_flagged():

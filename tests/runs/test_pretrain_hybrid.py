@@ -12,6 +12,8 @@ checkpoint is written by the plain script with the same local layers.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from launch import TE_CPU_SCRIPT, TINY_GPT, run_pretrain, train_records
 
@@ -47,17 +49,20 @@ def _hybrid_run(tmp_path, name: str, *extra: str, nproc: int = 2) -> tuple[dict,
 
 def test_pipeline_segments_train_as_stock_does(tmp_path):
     """``*-|*-`` on PP 2 (one ``*-`` segment per stage) x TP 2, Megatron's local layers: stock
-    and Domino (on each stage's stack, said by the banner) train alike."""
+    and Domino (on each stage's stack, said by the banner) train alike; ``--domino-ab`` and
+    ``--domino-report`` run on it (their lines, and the A/B steps are ordinary steps)."""
     segments = ["--hybrid-layer-pattern", "*-|*-", "--pipeline-model-parallel-size", "2"]
-    stock, _ = _hybrid_run(tmp_path, "stock", *segments, "--train-iters", "2", nproc=4)
-    domino, output = _hybrid_run(
-        tmp_path, "domino", *segments, "--train-iters", "2", "--domino", nproc=4
-    )
+    segments += ["--train-iters", "8"]
+    stock, _ = _hybrid_run(tmp_path, "stock", *segments, nproc=4)
+    loop_flags = ["--domino-ab", "2", "--domino-report", "--domino-report-iters", "1"]
+    domino, output = _hybrid_run(tmp_path, "domino", *segments, "--domino", *loop_flags, nproc=4)
     banner = (
         "of HybridModel pattern '*-|*-' (Domino runs every layer of this rank: 1 attention, 1 MLP)"
     )
     assert banner in output
-    assert sorted(stock) == sorted(domino) == [1, 2]
+    assert re.search(r"^Domino p2: \d+\.\d\dx stock's iteration time", output, re.MULTILINE)
+    assert "[domino-report]" in output
+    assert sorted(stock) == sorted(domino) == list(range(1, 9))
     for iteration, step in stock.items():
         assert domino[iteration]["loss"] == pytest.approx(step["loss"], rel=1e-5), iteration
 
