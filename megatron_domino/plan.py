@@ -28,8 +28,7 @@ target                             kind            Domino's forward (local / TE)
 =================================  ==============  =======================================
 
 At the model's two ends (:data:`MODEL_ENDS`, on the ``GPTModel`` or ``HybridModel`` of a pipeline
-stage, where
-its check finds nothing against it): ``embedding``
+stage, where its check finds nothing against it): ``embedding``
 (:func:`.embedding_overlap.embedding_forward`) and, with backward overlap, ``output_layer``
 (:func:`.output_head.output_layer_forward`).
 """
