@@ -296,7 +296,8 @@ TE_FUSED_NORM_UNDER_SP = (
     "sequence for backward (stock TE norms the shard and gathers the norm output); add "
     "--spec megatron_domino.specs.te_spec te_norms_apart_block_spec (TE's TENorm + "
     "TEColumnParallelLinear: the same parameters, torch_dist checkpoints load either way; "
-    "pretrain_gpt_domino.py and the patched pretrain_gpt.py both take it), or drop "
+    "pretrain_gpt_domino.py and the patched pretrain_gpt.py both take it; for a HybridModel, "
+    "--spec megatron_domino.specs.te_hybrid_spec te_norms_apart_hybrid_stack_spec), or drop "
     "--sequence-parallel"
 )
 

@@ -250,39 +250,56 @@ class WeightGradientGemm:
 
 
 @contextlib.contextmanager
-def main_grad_gemms(model: torch.nn.Module) -> Iterator[list[WeightGradientGemm]]:
-    """The GEMMs TE runs into the ``main_grad`` of ``model``'s weights while the context is
-    open (TE's ``general_gemm`` calls its extension's ``generic_gemm``, which is wrapped)."""
+def gemms_into(targets: set[int], on_call) -> Iterator[None]:
+    """While open, every GEMM of TE's extension (``generic_gemm``, which TE's ``general_gemm``
+    calls) whose output ``D`` has a ``data_ptr`` in ``targets`` is first shown to
+    ``on_call(call)`` (its arguments by name); a result other than ``None`` is returned in
+    place of running the GEMM."""
     import transformer_engine_torch as tex
 
+    generic_gemm = tex.generic_gemm
+    signature = inspect.signature(generic_gemm)
+
+    def wrapped(*args, **kwargs):
+        call = signature.bind(*args, **kwargs).arguments
+        out = call["D"]
+        if out is not None and out.data_ptr() in targets:
+            replaced = on_call(call)
+            if replaced is not None:
+                return replaced
+        return generic_gemm(*args, **kwargs)
+
+    tex.generic_gemm = wrapped
+    try:
+        yield
+    finally:
+        tex.generic_gemm = generic_gemm
+
+
+@contextlib.contextmanager
+def main_grad_gemms(model: torch.nn.Module) -> Iterator[list[WeightGradientGemm]]:
+    """The GEMMs TE runs into the ``main_grad`` of ``model``'s weights while the context is
+    open (:func:`gemms_into`)."""
     names = {
         param.main_grad.data_ptr(): name.removeprefix("module.").removeprefix("module.")
         for name, param in model.named_parameters()
         if getattr(param, "main_grad", None) is not None
     }
     found: list[WeightGradientGemm] = []
-    generic_gemm = tex.generic_gemm
-    signature = inspect.signature(generic_gemm)
 
-    def recorded(*args, **kwargs):
-        call = signature.bind(*args, **kwargs).arguments
+    def record(call) -> None:
         out = call["D"]
-        if out is not None and out.data_ptr() in names:
-            found.append(
-                WeightGradientGemm(
-                    names[out.data_ptr()],
-                    (call["A"].dtype, call["B"].dtype),
-                    out.dtype,
-                    call["accumulate"],
-                )
-            )
-        return generic_gemm(*args, **kwargs)
+        found.append(
+            WeightGradientGemm(
+                names[out.data_ptr()],
+                (call["A"].dtype, call["B"].dtype),
+                out.dtype,
+                call["accumulate"],
+            )  # fmt: skip
+        )
 
-    tex.generic_gemm = recorded
-    try:
+    with gemms_into(set(names), record):
         yield found
-    finally:
-        tex.generic_gemm = generic_gemm
 
 
 @contextlib.contextmanager

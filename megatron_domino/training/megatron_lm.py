@@ -115,13 +115,7 @@ def check_args(args: argparse.Namespace) -> DominoConfig | AutoTuner | None:
         problems = config_problems(
             transformer_config, config, tp_size=args.tensor_model_parallel_size, te_layers=te_layers
         )
-        fused = TE_FUSED_NORM_UNDER_SP
-        if args.hybrid_layer_pattern is not None:
-            fused = fused.replace(
-                "megatron_domino.specs.te_spec te_norms_apart_block_spec",
-                "megatron_domino.specs.te_hybrid_spec te_norms_apart_hybrid_stack_spec",
-            )
-        return problems + ([fused] if fused_te_norms else [])
+        return problems + ([TE_FUSED_NORM_UNDER_SP] if fused_te_norms else [])
 
     if args.domino_chunks == AUTO:
         raise_problems(fsdp)

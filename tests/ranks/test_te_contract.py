@@ -27,7 +27,6 @@ weights and data:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 from collections import Counter
 from contextlib import contextmanager, nullcontext
@@ -37,7 +36,14 @@ import torch
 import torch.distributed as dist
 from fused_wgrad_stand_in import installed as fused_wgrad_installed
 from multiproc import run_on_ranks
-from te_models import fp8_meta_state, fp8_start_fixed, fused_twin, load_fp8_meta_state, te_spec
+from te_models import (
+    fp8_meta_state,
+    fp8_start_fixed,
+    fused_twin,
+    gemms_into,
+    load_fp8_meta_state,
+    te_spec,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lab.analysis.equivalence import (
@@ -170,26 +176,15 @@ class _OutOfPlaceAdds(TorchDispatchMode):
 def _second_main_grad_gemm_skipped(weights: list[torch.Tensor]):
     """The broken-on-purpose control: each weight's second weight-gradient GEMM into its
     ``main_grad`` (one chunk's contribution under Domino at p = 2) does nothing."""
-    import transformer_engine_torch as tex
+    seen = Counter()
 
-    targets, seen = {weight.main_grad.data_ptr() for weight in weights}, Counter()
-    generic_gemm = tex.generic_gemm
-    signature = inspect.signature(generic_gemm)
-
-    def skipping(*args, **kwargs):
-        call = signature.bind(*args, **kwargs).arguments
+    def skip_the_second(call):
         out = call["D"]
-        if out is not None and out.data_ptr() in targets:
-            seen[out.data_ptr()] += 1
-            if seen[out.data_ptr()] == 2:
-                return [out, None, None, None]
-        return generic_gemm(*args, **kwargs)
+        seen[out.data_ptr()] += 1
+        return [out, None, None, None] if seen[out.data_ptr()] == 2 else None
 
-    tex.generic_gemm = skipping
-    try:
+    with gemms_into({weight.main_grad.data_ptr() for weight in weights}, skip_the_second):
         yield
-    finally:
-        tex.generic_gemm = generic_gemm
 
 
 def _fused_step(model, batch, *, drop_a_chunk: bool = False) -> dict:
