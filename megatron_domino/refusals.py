@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from megatron_domino.base.config import DominoConfig, DominoUnsupportedError
 from megatron_domino.base.version import check_transformer_engine_version
+from megatron_domino.communication.te_quantizers import quantizer_role_problems
 from megatron_domino.plan import (
     LAYER_PLAN,
     LAYER_SUBLAYERS,
@@ -349,6 +350,11 @@ def model_problems(block: torch.nn.Module, config: DominoConfig) -> list[str]:
     problems = config_problems(block.config, config, tp_size=tp_size, te_layers=te_layers)
     if te_layers:
         problems += te_sequence_parallel_problems(block)
+    if te_layers and block.config.fp8 and block.config.sequence_parallel:
+        # Domino's gathered FP8 casts read TE's quantizers by position: one probe per class.
+        classes = {type(m): m for m in linears if m is not None and is_te_linear(m)}
+        for linear in classes.values():
+            problems += quantizer_role_problems(linear, block.config)
     problems += sharded_problems(block)
     if not block.layers:
         problems.append("the block has no layers")

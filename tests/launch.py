@@ -19,13 +19,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+from multiproc import TE_PRELOAD
+
+from lab.launch.ranks import CPU_PRELOAD
 from lab.launch.script_ranks import run_script
 from megatron_domino.training.runs import cpu_flags, read_records
 
 SCRIPT = Path(__file__).resolve().parent.parent / "pretrain_gpt_domino.py"
 #: The same script on Transformer Engine's own Python over the CPU backend
-#: (``tests/pretrain_te_cpu.py``; run it with ``torchrun=True``: TE boots before Megatron-Core
-#: is imported, which the forked ranks have done already).
+#: (``tests/pretrain_te_cpu.py``): TE boots before Megatron-Core is imported, so its forked
+#: ranks come from the TE tests' fork server (:data:`multiproc.TE_PRELOAD`).
 TE_CPU_SCRIPT = Path(__file__).resolve().parent / "pretrain_te_cpu.py"
 
 #: Ranks on two cores, started (about 10 s of imports and initialisation), trained a few
@@ -61,7 +64,10 @@ def run_pretrain(
     its output is returned)."""
     env = {**os.environ, **ENV}
     if nproc is not None and not torchrun:
-        result = run_script(script, flags, nproc=nproc, cwd=cwd, env=env, timeout_s=TIMEOUT_S)
+        preload = TE_PRELOAD if script == TE_CPU_SCRIPT else CPU_PRELOAD
+        result = run_script(
+            script, flags, nproc=nproc, cwd=cwd, env=env, timeout_s=TIMEOUT_S, preload=preload
+        )
         returncode, output = result.returncode, result.output
     else:
         launcher = [sys.executable]

@@ -49,7 +49,14 @@ from typing import Any, Literal
 
 import torch.multiprocessing as mp
 
-__all__ = ["CPU_PRELOAD", "RankFailure", "free_port", "import_target", "run_ranks"]
+__all__ = [
+    "CPU_PRELOAD",
+    "RankFailure",
+    "forking_from",
+    "free_port",
+    "import_target",
+    "run_ranks",
+]
 
 _POLL_S = 1.0
 #: Launches tried when the store's port was taken in between (:func:`run_ranks`).
@@ -75,7 +82,7 @@ _OTHER_SERVERS: dict[tuple[str, ...], multiprocessing.forkserver.ForkServer] = {
 
 
 @contextlib.contextmanager
-def _forking_from(preload: tuple[str, ...]) -> Iterator[None]:
+def forking_from(preload: tuple[str, ...]) -> Iterator[None]:
     """Processes started inside fork from a server that imported ``preload``.
 
     A process has one standard fork server and its preload is fixed once it runs; ranks that
@@ -241,7 +248,7 @@ def run_ranks(
         seed: Megatron-LM's ``--seed`` for ``init="megatron"``.
         timeout_s: wall-clock limit; past it every rank is killed.
         preload: on the CPU, what the ranks' fork server imports (one server per preload,
-            :func:`_forking_from`).
+            :func:`forking_from`).
     Raises:
         RankFailure: a rank raised (its traceback is in the message), died without reporting,
             or the time ran out. All ranks are gone when this returns or raises.
@@ -277,7 +284,7 @@ def _launch(
         )
         for rank in range(world_size)
     ]
-    with _forking_from(tuple(preload)) if device == "cpu" else contextlib.nullcontext():
+    with forking_from(tuple(preload)) if device == "cpu" else contextlib.nullcontext():
         for process in processes:
             process.start()
     outputs: dict[int, Any] = {}

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
-from lab.launch.ranks import CPU_PRELOAD, free_port
+from lab.launch.ranks import CPU_PRELOAD, forking_from, free_port
 
 __all__ = ["ScriptResult", "run_script"]
 
@@ -118,6 +118,7 @@ def run_script(
     cwd: Path,
     env: Mapping[str, str],
     timeout_s: float,
+    preload: Sequence[str] = CPU_PRELOAD,
 ) -> ScriptResult:
     """Run ``script args`` on ``nproc`` CPU ranks forked from the preloaded server.
 
@@ -128,6 +129,10 @@ def run_script(
         cwd: the ranks' working directory.
         env: the ranks' environment before torchrun's variables are added.
         timeout_s: wall-clock limit; past it every rank is killed.
+        preload: what the ranks' fork server imports (one server per preload,
+            :func:`~lab.launch.ranks.forking_from`): a script that needs another import
+            state than :data:`~lab.launch.ranks.CPU_PRELOAD` (Transformer Engine booted
+            before Megatron-Core) names it.
     """
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(CPU_PRELOAD))  # read when the server first starts
@@ -149,8 +154,9 @@ def run_script(
             )
             for rank in range(nproc)
         ]
-        for process in processes:
-            process.start()
+        with forking_from(tuple(preload)):
+            for process in processes:
+                process.start()
         returncode = _wait(processes, time.monotonic() + timeout_s)
         return ScriptResult(returncode, Path(output).read_text(errors="replace"))
 

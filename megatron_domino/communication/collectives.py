@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_domino.base.recorder import LAUNCH, WAIT_BEGIN, WAIT_END, CollectiveLabel
-from megatron_domino.communication.te_fp8_inputs import quantized_gather
+from megatron_domino.communication.te_fp8_inputs import GatherUse, quantized_gather
 
 __all__ = [
     "COLLECTIVE_SITES",
@@ -439,13 +439,15 @@ class SequenceCollective(InFlight):
         output = shard.new_empty(_gathered_shape(shard, self.group))
         self._launch(dist.all_gather_into_tensor, output, shard.contiguous(), direction)
 
-    def all_gather_quantized(self, quantized: torch.Tensor, quantizer, direction: str) -> None:
-        """Start gathering the FP8 shard ``quantized`` ``[s/tp, ...]`` (Transformer Engine's
-        ``Float8Tensor``) into an FP8 ``[s, ...]`` with TE's own all-gather of its bits
+    def all_gather_quantized(
+        self, quantized: torch.Tensor, quantizer, use: GatherUse, direction: str
+    ) -> None:
+        """Start gathering the FP8 shard ``quantized`` ``[s/tp, ...]`` (a Transformer Engine FP8
+        tensor) into an FP8 ``[s, ...]`` with TE's own all-gather of the buffers ``use`` needs
         (:func:`~megatron_domino.communication.te_fp8_inputs.quantized_gather`)."""
 
         def launch() -> list:
-            self._output, works = quantized_gather(quantized, quantizer, self.group)
+            self._output, works = quantized_gather(quantized, quantizer, self.group, use)
             return works
 
         self.start(direction, launch)

@@ -20,7 +20,11 @@ import torch.distributed as dist
 
 from megatron_domino.base.recorder import CollectiveLabel
 from megatron_domino.communication.collectives import InFlight
-from megatron_domino.communication.te_fp8_inputs import quantized_gather
+from megatron_domino.communication.te_fp8_inputs import (
+    GatherUse,
+    keep_wgrad_buffers,
+    quantized_gather,
+)
 
 __all__ = ["SavedInputRegather", "keeping_input_shards"]
 
@@ -119,6 +123,8 @@ class SavedInputRegather(InFlight):
                 yield
         finally:
             self._gathered, self._parameter_shapes = None, set()
+        if self._quantized is not None:  # the call consumed the forward's gather
+            keep_wgrad_buffers(self._quantized, self._quantizer)
 
     def launch(self) -> None:
         """Start re-gathering every kept tensor (backward, ahead of the linear's backward)."""
@@ -137,7 +143,9 @@ class SavedInputRegather(InFlight):
         for kept, full_shape, quantizer in self._kept:
             rows = self._outer[1](kept) if self._outer else kept
             if quantizer is not None:
-                output, launched = quantized_gather(rows, quantizer, self.group)
+                output, launched = quantized_gather(
+                    rows, quantizer, self.group, GatherUse.WGRAD_INPUT
+                )
                 works.extend(launched)
             else:
                 output = rows.new_empty(full_shape)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from megatron_domino.communication.collectives import SequenceCollective
-from megatron_domino.communication.te_fp8_inputs import quantize_shard
+from megatron_domino.communication.te_fp8_inputs import GatherUse, quantize_shard
 
 
 class _GatherLaunch(torch.autograd.Function):
@@ -45,7 +45,7 @@ class _GatherLaunch(torch.autograd.Function):
         if quantized is None:
             slot.all_gather(shard, "fwd")
         else:
-            slot.all_gather_quantized(quantized, quantizer, "fwd")
+            slot.all_gather_quantized(quantized, quantizer, GatherUse.FPROP_INPUT, "fwd")
         return shard.view_as(shard)
 
     @staticmethod
@@ -129,7 +129,7 @@ class _ScatterWait(torch.autograd.Function):
             ctx.slot.all_gather(grad_shard, "bwd")
         else:
             quantized = quantize_shard(quantizer, grad_shard, ctx.amax_group)
-            ctx.slot.all_gather_quantized(quantized, quantizer, "bwd")
+            ctx.slot.all_gather_quantized(quantized, quantizer, GatherUse.GRAD_OUTPUT, "bwd")
         if ctx.then is not None:
             ctx.then()
         return grad_shard, None, None, None, None

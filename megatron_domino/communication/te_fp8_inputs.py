@@ -6,8 +6,8 @@ quantizer (one rounding: TE ``module/layernorm_linear.py:233-253``, its fused no
 then all-gathers the FP8 bits (``distributed.py:982-1073``): half the bytes of a bf16 gather.
 Domino gathers that input itself, ahead of the call and behind another chunk's work
 (:mod:`megatron_domino.communication.sequence_parallel`), on the layer with its norms apart
-(:mod:`megatron_domino.specs.te_spec`), so it casts the same way: :func:`fp8_input_quantizer` finds
-the quantizer TE's call would use, :func:`quantized_norm_output` calls the TE norm module once
+(:mod:`megatron_domino.specs.te_spec`), so it casts the same way: :func:`~megatron_domino.communication.te_quantizers.fp8_input_quantizer`
+finds the quantizer TE's call would use, :func:`quantized_norm_output` calls the TE norm module once
 on the shard with that quantizer as its output quantizer (the fp32 result cast once, as the
 fused module does; the FP8 output carries the gradient, no bf16 norm output is made), and
 :func:`quantized_gather`
@@ -20,7 +20,7 @@ FP8 shard (``linear.py:565-569``, ``928-955``).
 Backward: stock's ``TERowParallelLinear`` casts its output gradient's shard to FP8 with its
 grad-output quantizer and all-gathers the FP8 bits (``module/base.py:1636, 1653-1684``).
 Domino gathers that gradient itself (the reduce-scatter's backward twin), so it casts it with
-the same quantizer first (:func:`fp8_grad_output_quantizer`) and hands TE's backward the
+the same quantizer first (:func:`~megatron_domino.communication.te_quantizers.fp8_grad_output_quantizer`) and hands TE's backward the
 gathered FP8 gradient, which TE uses as it is: the same bytes as stock in both directions.
 
 The quantizer's settings change for the cast and the gather, and are restored after
@@ -41,18 +41,17 @@ extension (``tests/te_cpu``: GEMMs, casts and norm kernels modelled in torch); n
 from __future__ import annotations
 
 import contextlib
+import enum
 import warnings
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-from megatron_domino.base.config import DominoUnsupportedError
-
 __all__ = [
+    "GatherUse",
     "casts_reduce_amax",
-    "fp8_grad_output_quantizer",
-    "fp8_input_quantizer",
+    "keep_wgrad_buffers",
     "quantize_shard",
     "quantized_gather",
     "quantized_norm_output",
@@ -68,68 +67,43 @@ def casts_reduce_amax(config) -> bool:
     return bool(config.fp8) and config.fp8_recipe == "tensorwise" and config.sequence_parallel
 
 
-def fp8_input_quantizer(module: torch.nn.Module):
-    """The FP8 input quantizer ``module``'s next call will use, or ``None`` (not a TE module, or
-    no FP8 autocast open).
+class GatherUse(enum.Enum):
+    """What a gathered FP8 tensor is for, and so which of its buffers ``(row-wise, column-wise)``
+    a cast makes and a gather moves, as TE's own SP paths choose them: the forward's GEMM reads
+    the input row-wise (TE ``module/linear.py:368-371``, ``layernorm_linear.py:283-287``); the
+    backward's re-gather of the saved input feeds the weight-gradient GEMM, which reads it
+    column-wise (``linear.py:931-937``, ``layernorm_linear.py:749-754``); the output gradient
+    feeds both GEMMs; a cast of a shard to be gathered makes both buffers (the forward gather
+    takes one, the backward re-gather the other). A per-tensor scaled quantizer gathers its
+    row-wise bits only (TE makes the transpose after the gather), whatever the use."""
 
-    ``init_fp8_metadata`` is what the call's ``prepare_forward`` runs first (TE
-    ``module/base.py:1552``): it reads the open ``fp8_autocast`` into ``module.fp8`` and builds
-    the quantizers for its recipe (a no-op when they exist for that recipe); the input
-    quantizer is the first of ``_get_quantizers`` (``module/linear.py:2007-2037``), the one the
-    call quantizes its input with. Asked while the module still has its own settings
-    (``parallel_mode="column"``, ``sequence_parallel=True``), so TE leaves the quantizer as its
-    stock all-gather leaves it.
-    """
-    if not hasattr(module, "init_fp8_metadata"):  # TE's base module has it, Megatron's linears not
-        return None
-    module.init_fp8_metadata()
-    if not module.fp8:
-        return None
-    quantizer = module._get_quantizers(False, False, torch.is_grad_enabled())[0]
-    return _in_role(module, quantizer, "scaling_fwd", "GEMM1_INPUT", "input")
+    CAST_SHARD = (True, True)
+    FPROP_INPUT = (True, False)
+    WGRAD_INPUT = (False, True)
+    GRAD_OUTPUT = (True, True)
 
 
-def _in_role(module: torch.nn.Module, quantizer, scaling: str, role: str, what: str):
-    """``quantizer``, checked to be the one in ``module``'s slot of ``role`` (TE's
-    ``FP8FwdTensorIdx``/``FP8BwdTensorIdx`` names): Domino reads ``_get_quantizers``' tuple by
-    position, which a TE outside the tested range may reorder (the quantizers exist only from
-    a module's first FP8 call, so this runs at each call, not when Domino is applied).
-
-    Raises:
-        DominoUnsupportedError: another quantizer sits at that position.
-    """
-    from transformer_engine.pytorch.constants import FP8BwdTensorIdx, FP8FwdTensorIdx
-
-    names = FP8FwdTensorIdx if scaling == "scaling_fwd" else FP8BwdTensorIdx
-    if quantizer is not module.quantizers[scaling][getattr(names, role)]:
-        raise DominoUnsupportedError(
-            f"Domino reads the {what} quantizer of {type(module).__name__} by its position in "
-            f"Transformer Engine's _get_quantizers, and this TE keeps another quantizer there "
-            f"(not {scaling}[{role}]): its FP8 casts would use the wrong scales. Use a "
-            "Transformer Engine in the tested range (megatron_domino.base.version."
-            "TESTED_TRANSFORMER_ENGINE), or train without --domino."
-        )
-    return quantizer
+def _buffers(quantizer, use: GatherUse) -> tuple[bool, bool]:
+    """``(row-wise, column-wise)``: the buffers ``quantizer`` casts or gathers for ``use``."""
+    return (True, False) if quantizer.supports_only_rowwise_all_gather() else use.value
 
 
-def fp8_grad_output_quantizer(module: torch.nn.Module):
-    """The FP8 quantizer the backward of TE row linear ``module``'s last call casts its output
-    gradient with, or ``None`` (not a TE module, or that call was not in FP8): the last of
-    ``_get_quantizers`` (``module/linear.py:2024-2028``), asked with the module's own settings
-    (``parallel_mode="row"``, ``sequence_parallel=True``) as stock's call asks it."""
-    if not getattr(module, "fp8", False) or not hasattr(module, "_get_quantizers"):
-        return None
-    quantizer = module._get_quantizers(False, False, True)[5]
-    return _in_role(module, quantizer, "scaling_bwd", "GRAD_OUTPUT1", "output-gradient")
+def keep_wgrad_buffers(quantized: torch.Tensor, quantizer) -> None:
+    """Of the FP8 shard ``quantized`` ``[s/tp, b/p, h]``, once its forward gather is done, keep
+    only the buffers its backward re-gather moves (:attr:`GatherUse.WGRAD_INPUT`), as TE
+    frees the row-wise buffers of the block-scaled shard it saves (``module/linear.py:555-566``,
+    ``layernorm_linear.py:463-469``): the FP8 shard Domino keeps is then stock's size."""
+    rowwise, columnwise = _buffers(quantizer, GatherUse.WGRAD_INPUT)
+    quantized.update_usage(rowwise_usage=rowwise, columnwise_usage=columnwise)
 
 
 @contextlib.contextmanager
-def _gathered_cast(quantizer, group: dist.ProcessGroup | None = None) -> Iterator[None]:
-    """Inside, ``quantizer`` casts a shard that is then gathered, as TE's own SP gathers set it
-    up (its settings restored after): tensors autograd can carry (``internal`` off), row-wise
-    only where TE's all-gather takes row-wise bits only (per-tensor scaling: the transpose is
-    made after the gather) and both buffers otherwise (block scaling: 1 x 128 tiles along the
-    tokens cannot be made from the row-wise bits, so TE gathers both), and for a current-scaling
+def _gathered_cast(
+    quantizer, use: GatherUse, group: dist.ProcessGroup | None = None
+) -> Iterator[None]:
+    """Inside, ``quantizer`` casts or gathers a shard for ``use`` (its settings restored after):
+    tensors autograd can carry (``internal`` off), the buffers ``use`` names (only row-wise
+    where the quantizer supports only row-wise all-gathers), and for a current-scaling
     quantizer, given ``group`` (the TP ranks' amax group, :mod:`megatron_domino.runtime.amax_group`),
     the amax reduced over it, as TE's ``set_quantizer_amax_reduction_group`` reduces it over the
     TP group for a column linear's input or a row linear's output gradient under SP: every rank
@@ -141,7 +115,8 @@ def _gathered_cast(quantizer, group: dist.ProcessGroup | None = None) -> Iterato
         reduction = quantizer.with_amax_reduction, quantizer.amax_reduction_group
         quantizer.with_amax_reduction, quantizer.amax_reduction_group = True, group
     quantizer.internal = False
-    quantizer.set_usage(rowwise=True, columnwise=not quantizer.supports_only_rowwise_all_gather())
+    rowwise, columnwise = _buffers(quantizer, use)
+    quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
     try:
         yield
     finally:
@@ -169,7 +144,10 @@ def quantize_shard(
     that gather takes, :func:`_gathered_cast`; a current-scaling cast's amax reduced over
     ``amax_group``), as a tensor subclass (no autograd: the gradient reaches ``shard`` through
     Domino's gather nodes)."""
-    with torch.no_grad(), _gathered_cast(quantizer, _amax_group(quantizer, amax_group)):
+    with (
+        torch.no_grad(),
+        _gathered_cast(quantizer, GatherUse.CAST_SHARD, _amax_group(quantizer, amax_group)),
+    ):
         return quantizer(shard)
 
 
@@ -195,7 +173,7 @@ def quantized_norm_output(
 
     norm.op_forward = casting_op_forward
     try:
-        with _gathered_cast(quantizer, _amax_group(quantizer, amax_group)):
+        with _gathered_cast(quantizer, GatherUse.CAST_SHARD, _amax_group(quantizer, amax_group)):
             return norm(hidden)
     finally:
         del norm.op_forward
@@ -221,9 +199,10 @@ class SynchronousGatherWarning(UserWarning):
 _warned_synchronous = False
 
 
-def quantized_gather(quantized: torch.Tensor, quantizer, group: dist.ProcessGroup):
+def quantized_gather(quantized: torch.Tensor, quantizer, group: dist.ProcessGroup, use: GatherUse):
     """Start the all-gather of the FP8 shard ``quantized`` ``[s/tp, b/p, h]`` with TE's own
-    function: ``(output [s, b/p, h] Float8Tensor, to read after the handle's wait, [handle])``.
+    function, moving the buffers ``use`` needs and no more: ``(output [s, b/p, h] FP8 tensor,
+    to read after the handle's wait, [handle])``.
 
     TE's FP8 block all-gather (``--fp8-recipe blockwise``) needs the tokens of the shard
     (``s/tp x b/p``, the rows of its 1 x 128 tiles' scale layout) to be a multiple of 128;
@@ -233,7 +212,7 @@ def quantized_gather(quantized: torch.Tensor, quantizer, group: dist.ProcessGrou
     global gather_along_first_dim, _warned_synchronous
     if gather_along_first_dim is None:
         gather_along_first_dim = _te_gather_along_first_dim()
-    with _gathered_cast(quantizer):
+    with _gathered_cast(quantizer, use):
         output, handle = gather_along_first_dim(
             quantized, group, async_op=True, quantizer=quantizer
         )

@@ -36,7 +36,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron_domino.base.recorder import CollectiveLabel, time_backward
 from megatron_domino.communication.collectives import SUBLAYER_LABELS
 from megatron_domino.communication.saved_shards import keeping_input_shards
-from megatron_domino.communication.te_fp8_inputs import fp8_grad_output_quantizer
+from megatron_domino.communication.te_quantizers import fp8_grad_output_quantizer
 from megatron_domino.engine.backward_overlap import column_linear_async_dgrad
 from megatron_domino.engine.placeholder_grads import one_placeholder_per_call
 from megatron_domino.engine.row_output import (

@@ -122,7 +122,8 @@ from megatron_domino.communication.sequence_parallel import (
     launch_gather,
     wait_gather,
 )
-from megatron_domino.communication.te_fp8_inputs import fp8_input_quantizer, quantized_norm_output
+from megatron_domino.communication.te_fp8_inputs import quantized_norm_output
+from megatron_domino.communication.te_quantizers import fp8_input_quantizer
 from megatron_domino.engine.backward_overlap import wait_for_dgrad_reduce
 from megatron_domino.engine.linears import row_projection
 from megatron_domino.engine.output_head import place_head_wait

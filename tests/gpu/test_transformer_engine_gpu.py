@@ -71,6 +71,17 @@ CASES = {
         "--domino-chunks 2",
         2e-2,
     ),
+    # FP8 block scaling on the H100 path at p = 4, where TE's FP8 block all-gather runs: 128 x
+    # 8 / 2 / 4 = 128 tokens per rank and chunk, a multiple of 128 (otherwise TE gathers in
+    # bf16, synchronously, and Domino warns). Its TP bytes and live bytes are stock's on the
+    # CPU (tests/ranks/test_te_fp8_recipes.py, test_activation_memory.py); its overlap on NCCL
+    # is what this run is for (add --domino-report to the Domino arm to see its waits).
+    "fp8-blockwise-sp-p4": (
+        ["--sequence-parallel", "--fp8-format", "hybrid", "--fp8-recipe", "blockwise"]
+        + ["--micro-batch-size", "8", "--global-batch-size", "16"],
+        "--domino-chunks 4",
+        2e-2,
+    ),
     # FP8 primary weights: TE uses the parameter as it is (no cast, no copy per chunk).
     "fp8-hybrid-sp-param-gather": (
         ["--sequence-parallel", "--fp8-format", "hybrid", "--fp8-amax-history-len", "16"]

@@ -46,3 +46,16 @@ def test_domino_keeps_stock_live_bytes_casts_and_collective_bytes():
         assert domino.backward_bytes == stock.backward_bytes, row
         assert row.ratio <= LIMIT, row
     assert any(row.stock.casts > 0 for row in results)  # the FP8 rows cast
+
+
+def test_blockwise_keeps_stock_live_bytes_and_collective_bytes():
+    """FP8 block scaling (``--fp8-recipe blockwise``) at TP 2, where TE's FP8 block gather runs
+    (128 tokens per rank and chunk): stock keeps its shard's column-wise buffers only and
+    gathers the row-wise ones forward, the column-wise ones backward; so must Domino. Before
+    (2026-12-06) Domino kept both buffers of its FP8 shard (1.033x stock's live bytes) and
+    gathered both forward."""
+    (row,) = measure([2], ["te"], ["fp8"], ["llama"], recipe="blockwise", timeout_s=600)
+    print(row)
+    assert row.domino.forward_bytes == row.stock.forward_bytes, row
+    assert row.domino.backward_bytes == row.stock.backward_bytes, row
+    assert row.ratio <= LIMIT, row

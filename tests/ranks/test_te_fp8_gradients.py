@@ -73,12 +73,12 @@ def _amax_reduction_removed():
     gathered_cast = te_fp8_inputs._gathered_cast
 
     @contextlib.contextmanager
-    def each_rank_its_own(quantizer, group=None):
+    def each_rank_its_own(quantizer, use, group=None):
         reduces = getattr(quantizer, "with_amax_reduction", None)
         if reduces is not None:
             quantizer.with_amax_reduction = False
         try:
-            with gathered_cast(quantizer, None):
+            with gathered_cast(quantizer, use, None):
                 yield
         finally:
             if reduces is not None:

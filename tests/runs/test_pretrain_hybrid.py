@@ -5,9 +5,10 @@ Megatron's local layers, and a ``GPTModel`` checkpoint resumed into it through M
 GPT-to-hybrid translation on TE's layers under SP.
 
 ``HybridStack``'s final norm is TE's whatever the spec, so the runs go through
-``tests/pretrain_te_cpu.py`` (TE's Python over the CPU backend) under torchrun, with Megatron's
+``tests/pretrain_te_cpu.py`` (TE's Python over the CPU backend; ranks forked from the TE tests'
+fork server, as ``tests/launch.py`` runs that script), with Megatron's
 local layers (``--spec megatron_domino.specs.hybrid_spec local_hybrid_stack_spec``). The GPT
-checkpoint is written by the plain script with the same local layers.
+checkpoint is written by the same script, on TE's norms-apart layers.
 """
 
 from __future__ import annotations
@@ -41,9 +42,7 @@ def _hybrid_run(tmp_path, name: str, *extra: str, nproc: int = 2) -> tuple[dict,
     output."""
     log = tmp_path / f"{name}.jsonl"
     flags = [*FLAGS, *HYBRID, "--data-cache-path", str(tmp_path / "cache"), "--log-json", str(log)]
-    output = run_pretrain(
-        [*flags, *extra], cwd=tmp_path, nproc=nproc, torchrun=True, script=TE_CPU_SCRIPT
-    )
+    output = run_pretrain([*flags, *extra], cwd=tmp_path, nproc=nproc, script=TE_CPU_SCRIPT)
     return train_records(log), output
 
 
@@ -80,7 +79,7 @@ def test_a_gpt_checkpoint_resumes_into_domino_on_the_hybrid_model(tmp_path):
     gpt += ["--data-cache-path", str(tmp_path / "cache"), "--ckpt-format", "torch_dist"]
     gpt += ["--seed", "7", "--train-iters", "4", "--exit-interval", "2", "--save", str(checkpoint)]
     gpt += ["--save-interval", "2"]
-    run_pretrain(gpt, cwd=tmp_path, torchrun=True, script=TE_CPU_SCRIPT)
+    run_pretrain(gpt, cwd=tmp_path, script=TE_CPU_SCRIPT)
     spec = ["--spec", "megatron_domino.specs.te_hybrid_spec", "te_norms_apart_hybrid_stack_spec"]
     resumed = [*TE_SP, *spec, "--train-iters", "4", "--load", str(checkpoint)]
     resumed += ["--ckpt-format", "torch_dist"]
