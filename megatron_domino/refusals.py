@@ -350,8 +350,15 @@ def model_problems(block: torch.nn.Module, config: DominoConfig) -> list[str]:
     problems = config_problems(block.config, config, tp_size=tp_size, te_layers=te_layers)
     if te_layers:
         problems += te_sequence_parallel_problems(block)
-    if te_layers and block.config.fp8 and block.config.sequence_parallel:
-        # Domino's gathered FP8 casts read TE's quantizers by position: one probe per class.
+    recipe = getattr(block.config.fp8_recipe, "value", block.config.fp8_recipe)
+    if (
+        te_layers
+        and block.config.fp8
+        and block.config.sequence_parallel
+        and recipe in _FP8_RECIPES_RUN
+    ):
+        # Domino's gathered FP8 casts read TE's quantizers by position: one probe per class
+        # (of a recipe Domino runs: another one is refused above, and TE may not enter it here).
         classes = {type(m): m for m in linears if m is not None and is_te_linear(m)}
         for linear in classes.values():
             problems += quantizer_role_problems(linear, block.config)

@@ -86,7 +86,7 @@ def quantizer_role_problems(linear: torch.nn.Module, model_config) -> list[str]:
     (empty when it can), found when Domino is applied, before any FP8 call. TE makes a
     module's quantizers in its first FP8 call only, so the class's ``_get_quantizers`` runs on
     a probe: a ``16 x 16`` instance of its Transformer Engine base class on ``linear``'s
-    device, inside Megatron-Core's FP8 context for ``model_config``'s recipe (under
+    device (zero-initialised: no random numbers drawn), inside Megatron-Core's FP8 context for ``model_config``'s recipe (under
     ``no_grad``: leaving it then updates no delayed-scaling state). The model's own modules
     are left untouched: their FP8 state, possibly loaded from a checkpoint, is theirs."""
     from megatron.core.fp8_utils import get_fp8_context
@@ -96,7 +96,10 @@ def quantizer_role_problems(linear: torch.nn.Module, model_config) -> list[str]:
         c for c in type(linear).__mro__ if c.__module__.startswith("transformer_engine")
     )
     weight = linear.weight
-    probe = te_class(16, 16, bias=False, params_dtype=weight.dtype, device=weight.device)
+    probe = te_class(  # zeros: its construction draws nothing from the RNG the model's init uses
+        16, 16, bias=False, init_method=torch.nn.init.zeros_, params_dtype=weight.dtype,
+        device=weight.device,
+    )  # fmt: skip
     with torch.no_grad(), get_fp8_context(model_config):
         probe.init_fp8_metadata()
         try:

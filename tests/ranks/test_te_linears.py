@@ -316,16 +316,18 @@ def _fp8_autocasts() -> dict:
     batch = token_batch(options, 4)
     found = {}
     for arm, config in (("stock", None), ("domino", DominoConfig(chunks=4))):
-        with TECalls(model) as calls:
-            with apply_domino(model, config) if config else contextlib.nullcontext():
+        # Applied before the count: applying probes TE's quantizer slots in an autocast of its
+        # own (megatron_domino.communication.te_quantizers), outside any forward.
+        with apply_domino(model, config) if config else contextlib.nullcontext():
+            with TECalls(model) as calls:
                 forward_backward(model, batch)
-            linears = [c for module in calls.take() for c in module if isinstance(c, LinearCall)]
-            found[arm] = dict(
-                autocasts=calls.autocasts,
-                contexts={(call.autocast, call.depth) for call in linears},
-                calls=len(linears),
-                updates=calls.scale_updates,
-            )
+                linears = [c for m in calls.take() for c in m if isinstance(c, LinearCall)]
+                found[arm] = dict(
+                    autocasts=calls.autocasts,
+                    contexts={(call.autocast, call.depth) for call in linears},
+                    calls=len(linears),
+                    updates=calls.scale_updates,
+                )
     return found
 
 
