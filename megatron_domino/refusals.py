@@ -272,7 +272,7 @@ def te_problems(
             "overlap cannot apply: add --no-domino-backward-overlap, or --sequence-parallel "
             "(under which Domino overlaps the backward collectives too)"
         )
-    recipe = getattr(fp8_recipe, "value", fp8_recipe)
+    recipe = _recipe_name(fp8_recipe)
     if recipe is not None and recipe not in _FP8_RECIPES_RUN:
         problems.append(
             _FP8_RECIPE_REFUSALS.get(recipe, _FP8_RECIPE_REFUSALS["other"]).format(recipe=recipe)
@@ -286,6 +286,12 @@ def te_problems(
             "per global batch, as stock)"
         )
     return problems
+
+
+def _recipe_name(fp8_recipe: Fp8Recipe | str | None) -> str | None:
+    """``--fp8-recipe``'s name: Megatron-Core's ``Fp8Recipe`` is a ``str`` enum, whose ``str()``
+    on Python 3.12 is ``Fp8Recipe.delayed``, not the name."""
+    return getattr(fp8_recipe, "value", fp8_recipe)
 
 
 #: Why Domino refuses Transformer Engine's fused norm + column linear under sequence
@@ -350,13 +356,8 @@ def model_problems(block: torch.nn.Module, config: DominoConfig) -> list[str]:
     problems = config_problems(block.config, config, tp_size=tp_size, te_layers=te_layers)
     if te_layers:
         problems += te_sequence_parallel_problems(block)
-    recipe = getattr(block.config.fp8_recipe, "value", block.config.fp8_recipe)
-    if (
-        te_layers
-        and block.config.fp8
-        and block.config.sequence_parallel
-        and recipe in _FP8_RECIPES_RUN
-    ):
+    fp8 = block.config.fp8 and block.config.sequence_parallel
+    if te_layers and fp8 and _recipe_name(block.config.fp8_recipe) in _FP8_RECIPES_RUN:
         # Domino's gathered FP8 casts read TE's quantizers by position: one probe per class
         # (of a recipe Domino runs: another one is refused above, and TE may not enter it here).
         classes = {type(m): m for m in linears if m is not None and is_te_linear(m)}

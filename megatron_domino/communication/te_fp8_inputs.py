@@ -1,27 +1,28 @@
 """Under FP8 and sequence parallelism, the TP gathers of Transformer Engine layers in FP8, as stock.
 
-Forward: stock's fused ``TELayerNormColumnParallelLinear`` norms this rank's shard
-``[s/tp, b, h]`` and casts the norm's **fp32** result straight to FP8 with the linear's input
-quantizer (one rounding: TE ``module/layernorm_linear.py:233-253``, its fused norm kernel),
-then all-gathers the FP8 bits (``distributed.py:982-1073``): half the bytes of a bf16 gather.
-Domino gathers that input itself, ahead of the call and behind another chunk's work
+Forward: stock's fused ``TELayerNormColumnParallelLinear`` norms this rank's shard ``[s/tp, b,
+h]`` and casts the norm's **fp32** result straight to FP8 with the linear's input quantizer (one
+rounding: TE ``module/layernorm_linear.py:233-253``, its fused norm kernel), then all-gathers
+the FP8 bits (``distributed.py:982-1073``): half the bytes of a bf16 gather. Domino gathers that
+input itself, ahead of the call and behind another chunk's work
 (:mod:`megatron_domino.communication.sequence_parallel`), on the layer with its norms apart
-(:mod:`megatron_domino.specs.te_spec`), so it casts the same way: :func:`~megatron_domino.communication.te_quantizers.fp8_input_quantizer`
-finds the quantizer TE's call would use, :func:`quantized_norm_output` calls the TE norm module once
-on the shard with that quantizer as its output quantizer (the fp32 result cast once, as the
-fused module does; the FP8 output carries the gradient, no bf16 norm output is made), and
-:func:`quantized_gather`
-starts TE's own all-gather of its FP8 bits. The call then gets an FP8 tensor ``[s, b/p, h]``,
-which TE uses as it is (``linear.py:384-386``), and saves as it is (the ``"inp"`` alias,
-``linear.py:606-616``): :mod:`megatron_domino.communication.saved_shards` keeps this rank's FP8 shard of it
-instead (and nothing of the bf16 one) and gathers it again in backward, as stock keeps its
-FP8 shard (``linear.py:565-569``, ``928-955``).
+(:mod:`megatron_domino.specs.te_spec`), so it casts the same way:
+:func:`~megatron_domino.communication.te_quantizers.fp8_input_quantizer` finds the quantizer
+TE's call would use, :func:`quantized_norm_output` calls the TE norm module once on the shard
+with that quantizer as its output quantizer (the fp32 result cast once, as the fused module
+does; the FP8 output carries the gradient, no bf16 norm output is made), and
+:func:`quantized_gather` starts TE's own all-gather of its FP8 bits. The call then gets an FP8
+tensor ``[s, b/p, h]``, which TE uses as it is (``linear.py:384-386``), and saves as it is (the
+``"inp"`` alias, ``linear.py:606-616``): :mod:`megatron_domino.communication.saved_shards` keeps
+this rank's FP8 shard of it instead (and nothing of the bf16 one) and gathers it again in
+backward, as stock keeps its FP8 shard (``linear.py:565-569``, ``928-955``).
 
 Backward: stock's ``TERowParallelLinear`` casts its output gradient's shard to FP8 with its
-grad-output quantizer and all-gathers the FP8 bits (``module/base.py:1636, 1653-1684``).
-Domino gathers that gradient itself (the reduce-scatter's backward twin), so it casts it with
-the same quantizer first (:func:`~megatron_domino.communication.te_quantizers.fp8_grad_output_quantizer`) and hands TE's backward the
-gathered FP8 gradient, which TE uses as it is: the same bytes as stock in both directions.
+grad-output quantizer and all-gathers the FP8 bits (``module/base.py:1636, 1653-1684``). Domino
+gathers that gradient itself (the reduce-scatter's backward twin), so it casts it with the same
+quantizer first (:func:`~megatron_domino.communication.te_quantizers.fp8_grad_output_quantizer`)
+and hands TE's backward the gathered FP8 gradient, which TE uses as it is: the same bytes as
+stock in both directions.
 
 The quantizer's settings change for the cast and the gather, and are restored after
 (:func:`_gathered_cast`). Under delayed scaling the scale is the one the call itself would use,
@@ -75,17 +76,25 @@ class GatherUse(enum.Enum):
     column-wise (``linear.py:931-937``, ``layernorm_linear.py:749-754``); the output gradient
     feeds both GEMMs; a cast of a shard to be gathered makes both buffers (the forward gather
     takes one, the backward re-gather the other). A per-tensor scaled quantizer gathers its
-    row-wise bits only (TE makes the transpose after the gather), whatever the use."""
+    row-wise bits only (TE makes the transpose after the gather), whatever the use.
 
-    CAST_SHARD = (True, True)
-    FPROP_INPUT = (True, False)
-    WGRAD_INPUT = (False, True)
-    GRAD_OUTPUT = (True, True)
+    Each value is ``(row-wise, column-wise, what for)``: the last part keeps two uses with the
+    same buffers distinct members (an enum makes equal values aliases)."""
+
+    CAST_SHARD = (True, True, "a shard's cast, for its forward gather and backward re-gather")
+    FPROP_INPUT = (True, False, "the forward GEMM's input")
+    WGRAD_INPUT = (False, True, "the weight-gradient GEMM's input")
+    GRAD_OUTPUT = (True, True, "the output gradient, for both backward GEMMs")
+
+    @property
+    def buffers(self) -> tuple[bool, bool]:
+        """``(row-wise, column-wise)``."""
+        return self.value[:2]
 
 
 def _buffers(quantizer, use: GatherUse) -> tuple[bool, bool]:
     """``(row-wise, column-wise)``: the buffers ``quantizer`` casts or gathers for ``use``."""
-    return (True, False) if quantizer.supports_only_rowwise_all_gather() else use.value
+    return (True, False) if quantizer.supports_only_rowwise_all_gather() else use.buffers
 
 
 def keep_wgrad_buffers(quantized: torch.Tensor, quantizer) -> None:

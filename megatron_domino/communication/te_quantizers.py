@@ -86,8 +86,9 @@ def quantizer_role_problems(linear: torch.nn.Module, model_config) -> list[str]:
     (empty when it can), found when Domino is applied, before any FP8 call. TE makes a
     module's quantizers in its first FP8 call only, so the class's ``_get_quantizers`` runs on
     a probe: a ``16 x 16`` instance of its Transformer Engine base class on ``linear``'s
-    device (zero-initialised: no random numbers drawn), inside Megatron-Core's FP8 context for ``model_config``'s recipe (under
-    ``no_grad``: leaving it then updates no delayed-scaling state). The model's own modules
+    device (zero-initialised: no random numbers drawn), inside Megatron-Core's FP8 context for
+    ``model_config``'s recipe (under ``no_grad``: leaving it then updates no delayed-scaling
+    state). The model's own modules
     are left untouched: their FP8 state, possibly loaded from a checkpoint, is theirs."""
     from megatron.core.fp8_utils import get_fp8_context
 
@@ -106,13 +107,13 @@ def quantizer_role_problems(linear: torch.nn.Module, model_config) -> list[str]:
             quantizers = type(linear)._get_quantizers(probe, False, False, True)
         except TypeError as error:
             return [_wrong_slot(name, 0, f"takes other arguments ({error})")]
-    return [
-        _wrong_slot(name, position, "returns fewer quantizers")
-        if len(quantizers) <= position
-        else _wrong_slot(name, position)
-        for position in _READ_SLOTS
-        if len(quantizers) <= position or quantizers[position] is not _slot(probe, position)
-    ]
+    problems = []
+    for position in _READ_SLOTS:
+        if len(quantizers) <= position:
+            problems.append(_wrong_slot(name, position, "returns fewer quantizers"))
+        elif quantizers[position] is not _slot(probe, position):
+            problems.append(_wrong_slot(name, position))
+    return problems
 
 
 def fp8_grad_output_quantizer(module: torch.nn.Module):
